@@ -1,0 +1,139 @@
+"""Model adapters: turn a conversation (+ images) into model inputs, and say where text positions continue.
+
+Everything that differs between architectures lives here: the processor and chat template, the extra forward
+inputs (pixels, grids, image sizes), the image placeholder token, and positions. The engine only sees a
+``Prompt`` and an ``Adapter`` and knows nothing about tokenization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL import Image
+
+Message = dict[str, Any]  # {"role": "user"|"assistant"|"system", "content": str | list of parts}
+
+
+@dataclass
+class Prompt:
+    """One request's prefill inputs.
+
+    ``position_ids`` is None for 1-D RoPE models (positions are 0..L-1). Qwen2.5-VL's M-RoPE gives image tokens
+    2-D grid positions, so after the prompt text positions continue at ``L + rope_delta`` rather than ``L``.
+    """
+
+    input_ids: torch.Tensor  # (1, L)
+    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # pixels, grids, image sizes, ...
+    position_ids: torch.Tensor | None = None  # (3, 1, L) for M-RoPE
+    rope_delta: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def text_only(messages: list[Message]) -> list[Message]:
+    """Flatten list-of-parts contents to strings, for templates that only know strings."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        if not isinstance(content, str):
+            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def count_images(messages: list[Message]) -> int:
+    return sum(1 for m in messages if not isinstance(m["content"], str)
+               for p in m["content"] if p.get("type") == "image")
+
+
+class Adapter:
+    """Base adapter: a causal LM with a tokenizer and chat template (SmolLM2 and other text models)."""
+
+    arch = "text"
+    supports_images = False
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.image_token_id: int | None = None
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    def build(self, messages: list[Message], images: list[Image.Image]) -> Prompt:
+        if images:
+            raise ValueError("this model reads text only; drop the image or pick a vision-language model")
+        ids = self.tokenizer.apply_chat_template(text_only(messages), add_generation_prompt=True,
+                                                 return_tensors="pt", return_dict=True)["input_ids"]
+        return Prompt(input_ids=ids.to(self.device))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _processor_inputs(self, messages: list[Message], images: list[Image.Image]) -> dict[str, torch.Tensor]:
+        if count_images(messages) != len(images):
+            raise ValueError(f"{count_images(messages)} image slots in the messages but {len(images)} images")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        batch = self.tokenizer(text=[text], images=images or None, return_tensors="pt")
+        dtype = self.model.dtype
+        return {k: (v.to(self.device, dtype) if v.is_floating_point() else v.to(self.device))
+                for k, v in batch.items() if k != "attention_mask"}
+
+
+class LlavaNextAdapter(Adapter):
+    """LLaVA-1.6 (LLaVA-NeXT): the processor expands <image> into one token per feature; positions are 1-D."""
+
+    arch = "llava_next"
+    supports_images = True
+
+    def __init__(self, model: torch.nn.Module, processor: Any):
+        super().__init__(model, processor)
+        self.image_token_id = model.config.image_token_index
+
+    def build(self, messages: list[Message], images: list[Image.Image]) -> Prompt:
+        inputs = self._processor_inputs(messages, images)
+        return Prompt(input_ids=inputs.pop("input_ids"), model_inputs=inputs)
+
+
+class QwenVLAdapter(Adapter):
+    """Qwen2.5-VL: M-RoPE positions computed once here, with the delta that text positions carry afterwards.
+
+    ``mm_token_type_ids`` must reach ``get_rope_index``, or it silently falls back to 1-D positions.
+    """
+
+    arch = "qwen2_5_vl"
+    supports_images = True
+
+    def __init__(self, model: torch.nn.Module, processor: Any):
+        super().__init__(model, processor)
+        self.image_token_id = model.config.image_token_id
+
+    def build(self, messages: list[Message], images: list[Image.Image]) -> Prompt:
+        inputs = self._processor_inputs(messages, images)
+        input_ids = inputs.pop("input_ids")
+        type_ids = inputs.pop("mm_token_type_ids", None)
+        if type_ids is None:
+            type_ids = (input_ids == self.image_token_id).int()
+        if "image_grid_thw" not in inputs:  # text-only request: plain positions
+            return Prompt(input_ids=input_ids, model_inputs=inputs)
+        positions, delta = self.model.model.get_rope_index(
+            input_ids, mm_token_type_ids=type_ids, image_grid_thw=inputs["image_grid_thw"])
+        return Prompt(input_ids=input_ids, model_inputs=inputs, position_ids=positions, rope_delta=int(delta.item()))
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    """EOS ids exactly as greedy generate() uses them: the generation config first, the tokenizer's as fallback."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        tok = getattr(tokenizer, "tokenizer", tokenizer)
+        eos = tok.eos_token_id
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}

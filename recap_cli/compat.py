@@ -1,0 +1,45 @@
+"""The few places where transformers 5.x versions differ, kept in one file.
+
+Checked on 5.17 and 5.24: 5.24 renamed the forward kwarg ``past_key_values`` to ``cache`` (the old name warns);
+``DynamicCache.crop`` takes a negative count since 5.17 (a positive length is an error in 5.24); every 5.x cache
+holds per-layer ``keys``/``values`` tensors of shape (batch, kv_heads, length, head_dim).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """Name of the forward argument that takes the KV cache in this transformers version."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def new_cache(model: torch.nn.Module) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+def cache_length(cache: DynamicCache) -> int:
+    return cache.get_seq_length()
+
+
+def keep_rows(cache: DynamicCache, start: int, rows: torch.Tensor | None, new_length: int) -> None:
+    """Make cache positions start.. hold the rows ``start + rows`` (in order), then cut the cache to new_length.
+
+    ``rows`` is None when the kept rows already sit in place (the accepted path was a contiguous prefix of the
+    tree, the common case), so only the cut remains.
+    """
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", True) or layer.keys is None:
+            continue
+        if rows is not None:
+            n = rows.numel()
+            # The right-hand side is gathered into a new tensor before the write, so overlaps are safe.
+            layer.keys[:, :, start:start + n] = layer.keys[:, :, start + rows]
+            layer.values[:, :, start:start + n] = layer.values[:, :, start + rows]
+        layer.keys = layer.keys[:, :, :new_length]
+        layer.values = layer.values[:, :, :new_length]

@@ -1,0 +1,28 @@
+"""The interface the engine's decoding loop calls each step."""
+
+from __future__ import annotations
+
+from ..tree import Rows, Tree, Verified
+
+
+class Drafter:
+    """Proposes a draft tree under the root and learns from what the verifier saw.
+
+    The base class drafts nothing, which makes every step a plain one-token greedy step: the ``ar`` baseline.
+    """
+
+    name = "ar"
+    wants_prefill_rows = False
+
+    def start(self, prompt: list[int], rows: Rows | None) -> None:
+        """A new request begins (per-request memories reset here); ``rows`` are the prefill predictions."""
+
+    def propose(self, context: list[int], room: int) -> Tree:
+        """A tree whose root is ``context[-1]``; ``room`` bounds useful depth (tokens left after the bonus)."""
+        return Tree.root(context[-1])
+
+    def observe(self, tree: Tree, verified: Verified) -> None:
+        """The verifier's rows for every node of ``tree`` (accepted or not)."""
+
+    def reset(self) -> None:
+        """Forget everything, including what persists across requests (between datasets in a comparison)."""

@@ -1,0 +1,183 @@
+"""The decoding engine: prefill, verify a draft tree in one forward pass, compact the KV cache.
+
+Lossless by construction: a drafted token is kept only if it equals the model's argmax at its parent, and every
+step appends the model's own argmax after the accepted path, so the output is greedy decoding's token for token.
+The engine knows nothing about tokenization; adapters build the prompt, drafters build the trees.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from . import compat
+from .adapters import Adapter, Prompt
+from .tree import Rows, Source, Tree, Verified
+
+
+class Engine:
+    """One request at a time (batch 1). ``length`` counts the tokens whose K/V rows sit in the cache."""
+
+    def __init__(self, adapter: Adapter, top_k: int = 8):
+        self.adapter = adapter
+        self.model = adapter.model
+        self.top_k = top_k
+        self.device = adapter.device
+        self.dtype = self.model.dtype
+        self._cache_kw = compat.cache_kwarg(self.model)
+        self.cache = None
+        self.length = 0
+        self.rope_delta = 0
+
+    @torch.inference_mode()
+    def prefill(self, prompt: Prompt, want_rows: bool = False) -> tuple[int, Rows | None]:
+        """Run the prompt; return the first greedy token and, if asked, top-k rows at every text position."""
+        self.cache = compat.new_cache(self.model)
+        self.rope_delta = prompt.rope_delta
+        keep: int | torch.Tensor = 1
+        if want_rows:  # rows at image placeholders are never keys a drafter could meet again
+            keep = _text_positions(prompt.input_ids[0], self.adapter.image_token_id)
+        out = self.model(input_ids=prompt.input_ids, position_ids=prompt.position_ids, use_cache=True,
+                         logits_to_keep=keep, **{self._cache_kw: self.cache}, **prompt.model_inputs)
+        self.length = prompt.length
+        logits = out.logits[0]
+        first = int(logits[-1].argmax())
+        return first, (self._rows(logits) if want_rows else None)
+
+    @torch.inference_mode()
+    def verify(self, tree: Tree) -> Verified:
+        """Evaluate root + draft nodes in one forward pass, accept the longest greedy path, compact the cache."""
+        n = len(tree)
+        depths = tree.depths()
+        ids = torch.tensor([tree.tokens], device=self.device)
+        pos = torch.tensor([depths], device=self.device) + (self.length + self.rope_delta)
+        # Node i attends to the whole prefix, its ancestors and itself; one token needs no mask at all.
+        mask = self._tree_mask(tree.parents) if n > 1 else None
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                         **{self._cache_kw: self.cache})
+        logits = out.logits[0]
+        argmax = logits.argmax(-1).tolist()  # the one device->host sync of the step
+        rows = self._rows(logits)
+        path = accept(tree, argmax)
+        self._keep(path)
+        return Verified(path=path, bonus=argmax[path[-1]], argmax=argmax, rows=rows)
+
+    def _rows(self, logits: torch.Tensor) -> Rows:
+        # Softmax over the top-k logits is p_i / sum_k p_j: the full softmax renormalised over its top k.
+        top = logits.topk(self.top_k, dim=-1)
+        return Rows(ids=top.indices.cpu(), probs=torch.softmax(top.values.float(), -1).cpu())
+
+    def _tree_mask(self, parents: list[int]) -> torch.Tensor:
+        """Additive (1, 1, T, P+T) mask in the model dtype. Additive, not bool: eager attention adds the mask."""
+        n, p = len(parents), self.length
+        ancestors: list[list[int]] = []
+        rows, cols = [], []
+        for i, parent in enumerate(parents):
+            line = (ancestors[parent] if parent >= 0 else []) + [i]
+            ancestors.append(line)
+            rows.extend([i] * len(line))
+            cols.extend(line)
+        visible = torch.zeros(n, n, dtype=torch.bool)
+        visible[rows, cols] = True
+        tree_part = torch.full((n, n), torch.finfo(self.dtype).min, dtype=self.dtype)
+        tree_part.masked_fill_(visible, 0.0)
+        mask = torch.cat([torch.zeros(n, p, dtype=self.dtype), tree_part], dim=1)
+        return mask.to(self.device)[None, None]
+
+    def _keep(self, path: list[int]) -> None:
+        """Keep the K/V rows of the accepted path at positions P.., drop the rest of the tree."""
+        contiguous = path == list(range(len(path)))
+        rows = None if contiguous else torch.tensor(path, device=self.device)
+        compat.keep_rows(self.cache, self.length, rows, self.length + len(path))
+        self.length += len(path)
+
+
+def accept(tree: Tree, argmax: list[int]) -> list[int]:
+    """Longest root-to-node path on which every node's token is the model's argmax at its parent."""
+    child = {}
+    for i in range(len(tree) - 1, 0, -1):  # reversed, so the first of duplicate siblings wins
+        child[(tree.parents[i], tree.tokens[i])] = i
+    path = [0]
+    while (nxt := child.get((path[-1], argmax[path[-1]]))) is not None:
+        path.append(nxt)
+    return path
+
+
+def _text_positions(ids: torch.Tensor, image_token: int | None) -> torch.Tensor:
+    if image_token is None:
+        return torch.arange(ids.numel(), device=ids.device)
+    return (ids != image_token).nonzero().flatten()
+
+
+@dataclass
+class Generation:
+    """One request's output and what it cost."""
+
+    tokens: list[int] = field(default_factory=list)
+    steps: int = 0
+    accepted_hist: Counter = field(default_factory=Counter)  # drafted tokens accepted per step -> steps
+    by_source: Counter = field(default_factory=Counter)  # Source name -> emitted tokens
+    tree_nodes: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def decode_s(self) -> float:
+        return self.draft_s + self.verify_s
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens emitted per verification step (accepted drafts + the bonus), the paper's acceptance length."""
+        return (sum((k + 1) * v for k, v in self.accepted_hist.items()) / self.steps) if self.steps else 0.0
+
+
+def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int) -> Generation:
+    """Greedy decoding with drafting; stops exactly where generate(do_sample=False) stops."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    eos = engine.adapter.eos_token_ids
+    gen = Generation()
+    t0 = time.perf_counter()
+    first, rows = engine.prefill(prompt, want_rows=drafter.wants_prefill_rows)
+    context = prompt.input_ids[0].tolist()
+    gen.prefill_s = time.perf_counter() - t0
+    drafter.start(context, rows)
+    context.append(first)
+    gen.tokens.append(first)
+    gen.by_source[Source.BONUS.name] += 1
+    while first not in eos and len(gen.tokens) < max_new_tokens:
+        t1 = time.perf_counter()
+        tree = drafter.propose(context, room=max_new_tokens - len(gen.tokens) - 1)
+        t2 = time.perf_counter()
+        verified = engine.verify(tree)
+        t3 = time.perf_counter()
+        drafter.observe(tree, verified)
+        gen.draft_s += (t2 - t1) + (time.perf_counter() - t3)
+        gen.verify_s += t3 - t2
+        added, done = _commit(gen, tree, verified, eos, max_new_tokens)
+        context.extend(added)
+        if done:
+            break
+    return gen
+
+
+def _commit(gen: Generation, tree: Tree, verified: Verified, eos: set[int],
+            max_new_tokens: int) -> tuple[list[int], bool]:
+    """Append the accepted tokens and the bonus, cut at EOS or the token budget; say if the request ended."""
+    new = [(tree.tokens[i], Source(tree.sources[i]).name) for i in verified.path[1:]]
+    new.append((verified.bonus, Source.BONUS.name))
+    gen.steps += 1
+    gen.tree_nodes += len(tree)
+    gen.accepted_hist[len(verified.path) - 1] += 1
+    added = []
+    for token, source in new:
+        added.append(token)
+        gen.tokens.append(token)
+        gen.by_source[source] += 1
+        if token in eos or len(gen.tokens) >= max_new_tokens:
+            return added, True
+    return added, False

@@ -1,0 +1,73 @@
+"""Draft trees and verification results: the data the engine and drafters pass each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+
+
+class Source(IntEnum):
+    """Who proposed a node; accepted tokens are counted by source in the statistics."""
+
+    ROOT = 0
+    ORDER1 = 1
+    ORDER2 = 2
+    ORDER3 = 3
+    SUFFIX = 4
+    MATRIX = 5  # Token Recycling's successor matrix
+    LOOKUP = 6  # prompt lookup
+    OTHER = 7  # test drafters
+    BONUS = 8  # the verifier's own token after the accepted path (never a draft node)
+
+
+@dataclass
+class Tree:
+    """Node 0 is the root: the last committed token, not yet in the KV cache. ``parents[i] < i`` for i > 0, so
+    the order is topological and a node's KV row can be written at position P + i during verification."""
+
+    tokens: list[int]
+    parents: list[int]
+    sources: list[int] = field(default_factory=list)
+
+    @classmethod
+    def root(cls, token: int) -> "Tree":
+        return cls([token], [-1], [Source.ROOT])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        d = [0] * len(self.parents)
+        for i in range(1, len(self.parents)):
+            d[i] = d[self.parents[i]] + 1
+        return d
+
+    def validate(self) -> None:
+        if not self.tokens or self.parents[0] != -1:
+            raise ValueError("a tree starts with its root (parent -1)")
+        if len(self.parents) != len(self.tokens):
+            raise ValueError("tokens and parents differ in length")
+        for i in range(1, len(self.parents)):
+            if not 0 <= self.parents[i] < i:
+                raise ValueError(f"node {i}: parent {self.parents[i]} must come before it")
+
+
+@dataclass
+class Rows:
+    """The verifier's top-k next-token predictions at each evaluated position, renormalised over those k.
+
+    Row i belongs to node i (or prompt position i at prefill): it predicts the token that follows it.
+    """
+
+    ids: torch.Tensor  # (N, k) int64, on the CPU
+    probs: torch.Tensor  # (N, k) float32, on the CPU, each row sums to 1
+
+
+@dataclass
+class Verified:
+    path: list[int]  # accepted node indices, starting with the root (0)
+    bonus: int  # the model's greedy token after the last accepted node
+    argmax: list[int]  # the model's greedy token at every node
+    rows: Rows

@@ -1,0 +1,86 @@
+"""Tiny random-init models of both architectures (and a text LM), saved to disk and loaded the real way."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from PIL import Image
+
+from recap_cli.drafters import Drafter
+from recap_cli.models import load
+from recap_cli.tiny_models import build_tiny_llama, build_tiny_llava_next, build_tiny_qwen2_5_vl
+from recap_cli.tree import Source, Tree
+
+torch.set_num_threads(2)
+
+BUILDERS = {"qwen": build_tiny_qwen2_5_vl, "llava": build_tiny_llava_next, "text": build_tiny_llama}
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {name: build(root / name) for name, build in BUILDERS.items()}
+
+
+_ADAPTERS: dict = {}
+
+
+@pytest.fixture(scope="session")
+def get_adapter(model_dirs):
+    """Adapters by (arch, attention), float64 so tree and one-token logits agree far below any top-2 gap."""
+
+    def get(arch: str, attn: str = "sdpa", dtype: str = "fp64"):
+        key = (arch, attn, dtype)
+        if key not in _ADAPTERS:
+            _ADAPTERS[key] = load(str(model_dirs[arch]), device="cpu", dtype=dtype, attn=attn)
+        return _ADAPTERS[key]
+
+    return get
+
+
+def make_image(seed: int, size: tuple[int, int] = (80, 60)) -> Image.Image:
+    rng = random.Random(seed)
+    img = Image.frombytes("RGB", size, rng.randbytes(size[0] * size[1] * 3))
+    for _ in range(3):
+        x, y = rng.randrange(size[0] - 10), rng.randrange(size[1] - 10)
+        img.paste((rng.randrange(256), rng.randrange(256), rng.randrange(256)), (x, y, x + 10, y + 10))
+    return img
+
+
+def request(arch: str, question: str, seed: int = 0, size=(80, 60)):
+    """(messages, images) for one single-turn request; text models get no image."""
+    if arch == "text":
+        return [{"role": "user", "content": question}], []
+    content = [{"type": "image"}, {"type": "text", "text": question}]
+    return [{"role": "user", "content": content}], [make_image(seed, size)]
+
+
+class OracleDrafter(Drafter):
+    """Arbitrary trees around a known reference continuation: each node is the reference token with
+    probability ``p_right`` (so depth-d nodes on a right path are accepted), otherwise a random token."""
+
+    name = "oracle"
+
+    def __init__(self, reference: list[int], p_right: float, nodes: int, seed: int, vocab: int):
+        self.reference, self.p_right, self.nodes, self.vocab = reference, p_right, nodes, vocab
+        self.rng = random.Random(seed)
+
+    def start(self, prompt, rows):
+        self.prompt_len = len(prompt)
+
+    def propose(self, context, room):
+        tree = Tree.root(context[-1])
+        done = len(context) - self.prompt_len  # reference index of the root's successor
+        depth = [0]
+        for i in range(1, self.nodes):
+            parent = i - 1 if self.rng.random() < 0.6 else self.rng.randrange(i)
+            d = depth[parent] + 1
+            k = done + d - 1
+            right = k < len(self.reference) and self.rng.random() < self.p_right
+            tree.tokens.append(self.reference[k] if right else self.rng.randrange(self.vocab))
+            tree.parents.append(parent)
+            tree.sources.append(Source.OTHER)
+            depth.append(d)
+        return tree

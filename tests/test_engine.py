@@ -1,0 +1,167 @@
+"""The engine reproduces greedy decoding token for token, and the checks catch each way it could break."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recap_cli import compat
+from recap_cli.drafters import Drafter
+from recap_cli.engine import Engine, accept, generate
+from recap_cli.tree import Tree
+
+from .conftest import OracleDrafter, request
+
+NEW_TOKENS = 50
+ARCHS = ["qwen", "llava", "text"]
+QUESTIONS = ["What colour is the square?", "Describe the picture in one sentence, please."]
+
+
+def hf_generate(adapter, messages, images, n: int) -> list[int]:
+    """transformers' own greedy generate(), fed by the processor directly (not through recap's adapter)."""
+    proc, model = adapter.tokenizer, adapter.model
+    if adapter.arch == "text":
+        inputs = proc.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    else:
+        text = proc.apply_chat_template(messages, add_generation_prompt=True)
+        inputs = proc(text=[text], images=images, return_tensors="pt")
+        inputs = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+    out = model.generate(**inputs, max_new_tokens=n, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+_REFS: dict = {}
+
+
+def reference(adapter, arch, qi, seed):
+    key = (arch, adapter.model.config._attn_implementation, qi, seed)
+    if key not in _REFS:
+        msgs, imgs = request(arch, QUESTIONS[qi], seed)
+        _REFS[key] = hf_generate(adapter, msgs, imgs, NEW_TOKENS)
+    return _REFS[key]
+
+
+def decode(adapter, arch, qi, seed, drafter, n=NEW_TOKENS) -> list[int]:
+    msgs, imgs = request(arch, QUESTIONS[qi], seed)
+    return generate(Engine(adapter), adapter.build(msgs, imgs), drafter, n).tokens
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_token_decoding_equals_hf_generate(get_adapter, arch, attn):
+    adapter = get_adapter(arch, attn)
+    for qi, seed in [(0, 1), (1, 2)]:
+        ref = reference(adapter, arch, qi, seed)
+        assert len(ref) >= 10
+        assert decode(adapter, arch, qi, seed, Drafter()) == ref
+
+
+TREES = [(1, 0.0), (2, 1.0), (8, 0.5), (16, 0.9), (64, 0.0), (64, 0.6), (64, 0.95), (33, 0.8)]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_decoding_equals_greedy(get_adapter, arch, attn):
+    """Random trees of 1-64 nodes, from all-wrong to mostly-right, over two prompts and images."""
+    adapter = get_adapter(arch, attn)
+    for i, (nodes, p_right) in enumerate(TREES):
+        qi, seed = i % 2, 1 + i % 2
+        ref = reference(adapter, arch, qi, seed)
+        drafter = OracleDrafter(ref, p_right, nodes, seed=i, vocab=adapter.vocab_size)
+        assert decode(adapter, arch, qi, seed, drafter) == ref, (nodes, p_right)
+
+
+def test_good_trees_take_fewer_steps(get_adapter):
+    adapter = get_adapter("qwen")
+    ref = reference(adapter, "qwen", 0, 1)
+    msgs, imgs = request("qwen", QUESTIONS[0], 1)
+    steps = {}
+    for p in (0.0, 0.95):
+        gen = generate(Engine(adapter), adapter.build(msgs, imgs), OracleDrafter(ref, p, 32, 0, 400), NEW_TOKENS)
+        assert gen.tokens == ref
+        steps[p] = gen.steps
+    assert steps[0.95] * 3 < steps[0.0]
+
+
+def test_max_new_tokens_and_eos_end_like_generate(get_adapter):
+    adapter = get_adapter("llava")
+    for n in (1, 2, 7):
+        msgs, imgs = request("llava", QUESTIONS[0], 1)
+        ref = hf_generate(adapter, msgs, imgs, n)
+        full = reference(adapter, "llava", 0, 1)
+        drafter = OracleDrafter(full, 1.0, 16, 0, adapter.vocab_size)
+        assert decode(adapter, "llava", 0, 1, drafter, n) == ref
+    # An EOS inside an accepted path ends the request there, as generate() does.
+    eos = next(iter(adapter.eos_token_ids))
+    ref = reference(adapter, "llava", 0, 1)
+    adapter.eos_token_ids = {ref[5]}
+    try:
+        out = decode(adapter, "llava", 0, 1, OracleDrafter(ref, 1.0, 16, 0, adapter.vocab_size))
+    finally:
+        adapter.eos_token_ids = {eos}
+    assert out == ref[: ref.index(ref[5]) + 1]
+
+
+def test_accept_walks_the_greedy_path():
+    tree = Tree(tokens=[9, 1, 2, 3, 4, 5], parents=[-1, 0, 0, 1, 2, 4])
+    # argmax at root is 2 -> node 2; at node 2 is 4 -> node 4; at node 4 is 5 -> node 5; at node 5, 7: stop.
+    argmax = [2, 0, 4, 0, 5, 7]
+    assert accept(tree, argmax) == [0, 2, 4, 5]
+    assert accept(tree, [8, 0, 0, 0, 0, 0]) == [0]
+
+
+# --- Each breakage below must be caught by the same exactness check. ---------------------------------------
+
+def _any_mismatch(get_adapter, arch="qwen", attn="sdpa") -> bool:
+    adapter = get_adapter(arch, attn)
+    for i, (nodes, p_right) in enumerate([(64, 0.6), (33, 0.8), (16, 0.9)]):
+        qi, seed = i % 2, 1 + i % 2
+        ref = reference(adapter, arch, qi, seed)
+        drafter = OracleDrafter(ref, p_right, nodes, seed=i, vocab=adapter.vocab_size)
+        if decode(adapter, arch, qi, seed, drafter) != ref:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("arch", ["qwen", "llava"])
+def test_check_catches_a_causal_instead_of_ancestor_mask(get_adapter, monkeypatch, arch):
+    def causal(self, parents):
+        n, p = len(parents), self.length
+        tree = torch.full((n, n), torch.finfo(self.dtype).min, dtype=self.dtype).triu(1)
+        return torch.cat([torch.zeros(n, p, dtype=self.dtype), tree], 1)[None, None]
+
+    assert not _any_mismatch(get_adapter, arch)
+    monkeypatch.setattr(Engine, "_tree_mask", causal)
+    assert _any_mismatch(get_adapter, arch)
+
+
+@pytest.mark.parametrize("arch", ["qwen", "llava"])
+def test_check_catches_index_instead_of_depth_positions(get_adapter, monkeypatch, arch):
+    monkeypatch.setattr(Tree, "depths", lambda self: list(range(len(self.tokens))))
+    assert _any_mismatch(get_adapter, arch)
+
+
+def test_check_catches_a_bool_mask_under_eager(get_adapter, monkeypatch):
+    real = Engine._tree_mask
+    monkeypatch.setattr(Engine, "_tree_mask", lambda self, parents: real(self, parents) == 0)
+    assert _any_mismatch(get_adapter, "llava", "eager")
+
+
+def test_check_catches_a_missing_mrope_delta(get_adapter, monkeypatch):
+    real = Engine.prefill
+
+    def no_delta(self, prompt, want_rows=False):
+        out = real(self, prompt, want_rows)
+        self.rope_delta = 0
+        return out
+
+    assert get_adapter("qwen").build(*request("qwen", "hi", 1)).rope_delta != 0
+    monkeypatch.setattr(Engine, "prefill", no_delta)
+    assert _any_mismatch(get_adapter, "qwen")
+
+
+@pytest.mark.parametrize("arch", ["qwen", "llava"])
+def test_check_catches_kv_compaction_that_skips_the_copy(get_adapter, monkeypatch, arch):
+    real = compat.keep_rows
+    monkeypatch.setattr(compat, "keep_rows", lambda cache, start, rows, n: real(cache, start, None, n))
+    assert _any_mismatch(get_adapter, arch)
