@@ -45,7 +45,11 @@ class Engine:
         self.length = prompt.length
         logits = out.logits[0]
         first = int(logits[-1].argmax())
-        return first, (self._rows(logits) if want_rows else None)
+        if not want_rows:
+            return first, None
+        rows = self._rows(logits)
+        rows.positions = keep.tolist()
+        return first, rows
 
     @torch.inference_mode()
     def verify(self, tree: Tree) -> Verified:

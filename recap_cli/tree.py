@@ -63,6 +63,7 @@ class Rows:
 
     ids: torch.Tensor  # (N, k) int64, on the CPU
     probs: torch.Tensor  # (N, k) float32, on the CPU, each row sums to 1
+    positions: list[int] | None = None  # at prefill: the prompt position of each row (image tokens have none)
 
 
 @dataclass

@@ -1,0 +1,154 @@
+"""JSONL requests in, JSONL results out, and every way an input line can be wrong.
+
+A bad line never stops a run: it becomes a ``Request`` with ``error`` set, and later an output record with that
+error, so every input line yields exactly one output line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from PIL import Image, UnidentifiedImageError
+
+from .adapters import Message
+
+CAPTION_PROMPT = "Describe this image in detail."
+MAX_IMAGE_PIXELS = 40_000_000
+
+
+@dataclass
+class Request:
+    """One input line. ``turns`` are the user turns to answer in order; ``history`` holds given earlier turns."""
+
+    line: int
+    id: Any
+    image: Path | None = None
+    turns: list[str] = field(default_factory=list)
+    history: list[Message] = field(default_factory=list)
+    max_new_tokens: int | None = None
+    dataset: str | None = None
+    error: str | None = None
+
+
+def parse_line(raw: bytes, line: int, base: Path) -> Request:
+    """Validate one JSONL line; relative image paths resolve against the JSONL file's folder."""
+    try:
+        rec = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return Request(line, line, error=f"line {line}: not valid JSON ({exc})")
+    if not isinstance(rec, dict):
+        return Request(line, line, error=f"line {line}: expected a JSON object, got {type(rec).__name__}")
+    rid = rec.get("id", line)
+    req = Request(line, rid)
+    try:
+        _fill(req, rec, base)
+    except ValueError as exc:
+        req.error = str(exc)
+    return req
+
+
+def _fill(req: Request, rec: dict, base: Path) -> None:
+    if not isinstance(req.id, (str, int)) or isinstance(req.id, bool):
+        raise ValueError("'id' must be a string or an integer")
+    image = rec.get("image")
+    if image is not None:
+        if not isinstance(image, str) or not image.strip():
+            raise ValueError("'image' must be a file path (string) or null")
+        path = Path(image).expanduser()
+        req.image = path if path.is_absolute() else base / path
+    dataset = rec.get("dataset")
+    if dataset is not None and not isinstance(dataset, str):
+        raise ValueError("'dataset' must be a string")
+    req.dataset = dataset
+    limit = rec.get("max_new_tokens")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise ValueError("'max_new_tokens' must be a positive integer")
+    req.max_new_tokens = limit
+    if "messages" in rec:
+        req.history, req.turns = _conversation(rec["messages"])
+        return
+    text = rec.get("question", rec.get("prompt"))
+    if text is None:
+        if req.image is None:
+            raise ValueError("nothing to answer: give a 'question', a 'prompt', 'messages' or an 'image'")
+        text = CAPTION_PROMPT
+    if not isinstance(text, str):
+        raise ValueError("'question'/'prompt' must be a string")
+    if not text.strip():
+        raise ValueError("the question is empty")
+    req.turns = [text]
+
+
+def _conversation(messages: Any) -> tuple[list[Message], list[str]]:
+    """Split ``messages`` into given context (up to the first user turn without an answer) and turns to answer.
+
+    Assistant turns that are given stay as they are; every user turn after the last given assistant turn is
+    answered in order, each seeing the answers before it (MMSpec's multi-turn protocol).
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list of {role, content} objects")
+    parsed = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise ValueError("each message needs a 'role' of user, assistant or system")
+        if not isinstance(m.get("content"), str) or not m["content"].strip():
+            raise ValueError("each message needs a non-empty string 'content'")
+        parsed.append({"role": m["role"], "content": m["content"]})
+    last_given = max((i for i, m in enumerate(parsed) if m["role"] == "assistant"), default=-1)
+    history, tail = parsed[: last_given + 1], parsed[last_given + 1:]
+    if any(m["role"] != "user" for m in tail) or not tail:
+        raise ValueError("'messages' must end with user turns to answer")
+    return history, [m["content"] for m in tail]
+
+
+def load_image(path: Path, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+    """An RGB image, or a ValueError that says what is wrong with the file."""
+    if not path.is_file():
+        raise ValueError(f"image not found: {path}")
+    try:
+        with Image.open(path) as img:
+            w, h = img.size  # read from the header: a huge image is refused before it is decoded
+            if w * h > max_pixels:
+                raise ValueError(f"image too large: {w}x{h} pixels (limit {max_pixels})")
+            return img.convert("RGB")
+    except (UnidentifiedImageError, Image.DecompressionBombError) as exc:
+        raise ValueError(f"cannot read image {path}: {exc}") from exc
+    except OSError as exc:
+        raise ValueError(f"cannot read image {path}: {exc}") from exc
+
+
+def user_message(text: str, with_image: bool) -> Message:
+    if not with_image:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}
+
+
+def as_parts(message: Message) -> Message:
+    """Chat templates of vision models take list-of-parts content."""
+    if isinstance(message["content"], str):
+        return {"role": message["role"], "content": [{"type": "text", "text": message["content"]}]}
+    return message
+
+
+def dumps(record: dict) -> bytes:
+    return orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS) + b"\n"
+
+
+def done_ids(output: Path) -> set[str]:
+    """Ids already in an output file (for --resume), after cutting a torn last line left by a crash."""
+    if not output.is_file():
+        return set()
+    data = output.read_bytes()
+    if data and not data.endswith(b"\n"):
+        data = data[: data.rfind(b"\n") + 1]
+        output.write_bytes(data)
+    ids = set()
+    for raw in data.splitlines():
+        try:
+            ids.add(str(orjson.loads(raw)["id"]))
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            continue
+    return ids

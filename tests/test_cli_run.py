@@ -1,0 +1,172 @@
+"""`recap run` through the real CLI on the tiny models: pipelines, schema, bad input, resume, memory."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from recap_cli import cli
+
+from .conftest import make_image
+
+RESULT_KEYS = {"id", "answer", "method", "model", "new_tokens", "prefill_ms", "decode_ms", "tokens_per_s", "steps",
+               "mean_accepted", "accepted_hist", "tokens_by_source", "error"}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run")
+    make_image(1).save(d / "a.png")
+    make_image(2, (96, 72)).save(d / "b.png")
+    (d / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    Image.new("1", (8000, 6000)).save(d / "huge.png")  # 48 Mpx, over the 40 Mpx limit
+    return d
+
+
+def jsonl(*records) -> bytes:
+    return b"".join(orjson.dumps(r) + b"\n" for r in records)
+
+
+def invoke(args, input: bytes | None = None):
+    result = CliRunner().invoke(cli.app, [str(a) for a in args], input=input)
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result
+
+
+def lines(text: str) -> list[dict]:
+    return [orjson.loads(x) for x in text.splitlines()]
+
+
+GOOD = [{"id": "cap", "image": "a.png"},
+        {"id": "vqa", "image": "b.png", "question": "What colour is the square?"},
+        {"id": "txt", "image": None, "prompt": "Summarise the passage: the quick brown fox."}]
+
+
+def test_stdin_to_stdout_pipeline_carries_only_jsonl(model_dirs, workdir, monkeypatch):
+    monkeypatch.chdir(workdir)  # relative image paths of stdin resolve against the working directory
+    result = invoke(["run", "-", "--model", model_dirs["qwen"], "--max-new-tokens", 12], jsonl(*GOOD))
+    assert result.exit_code == 0, result.stderr
+    out = lines(result.stdout)
+    assert [r["id"] for r in out] == ["cap", "vqa", "txt"]
+    for r in out:
+        assert RESULT_KEYS <= set(r) and r["error"] is None and r["method"] == "recap"
+        assert r["new_tokens"] == 12 or r["answer"] is not None
+        assert sum(r["tokens_by_source"].values()) == r["new_tokens"]
+    assert "3 items, 0 errors" in result.stderr
+
+
+def test_every_bad_line_yields_one_error_record_and_the_run_goes_on(model_dirs, workdir):
+    bad = [b'{"id": "ok", "image": "a.png", "question": "Which colour?"}',
+           b"{not json",
+           b"[1, 2]",
+           b'{"id": "missing", "image": "nope.png", "question": "x"}',
+           b'{"id": "corrupt", "image": "corrupt.png"}',
+           b'{"id": "huge", "image": "huge.png"}',
+           b'{"id": "empty", "image": "a.png", "question": "   "}',
+           b'{"id": "type", "image": 5}',
+           b'{"id": "tokens", "image": "a.png", "max_new_tokens": "many"}',
+           b'{"id": "nothing"}',
+           b'{"id": "ok2", "image": null, "question": "Still running?", "max_new_tokens": 3}']
+    path = workdir / "bad.jsonl"
+    path.write_bytes(b"\n".join(bad) + b"\n")
+    result = invoke(["run", path, "--model", model_dirs["llava"], "--max-new-tokens", 6])
+    assert result.exit_code == 1
+    out = lines(result.stdout)
+    assert len(out) == len(bad)
+    by_id = {str(r["id"]): r for r in out}
+    assert by_id["ok"]["error"] is None and by_id["ok2"]["new_tokens"] == 3
+    assert "not valid JSON" in by_id["2"]["error"] and "JSON object" in by_id["3"]["error"]
+    assert "image not found" in by_id["missing"]["error"]
+    assert "cannot read image" in by_id["corrupt"]["error"]
+    assert "too large" in by_id["huge"]["error"]
+    assert "empty" in by_id["empty"]["error"]
+    assert "'image'" in by_id["type"]["error"] and "max_new_tokens" in by_id["tokens"]["error"]
+    assert "nothing to answer" in by_id["nothing"]["error"]
+    assert "9 errors" in result.stderr
+
+
+def test_text_model_turns_images_into_record_errors(model_dirs, workdir):
+    path = workdir / "mixed.jsonl"
+    path.write_bytes(jsonl({"id": 1, "image": "a.png"}, {"id": 2, "prompt": "hello"}))
+    result = invoke(["run", path, "--model", model_dirs["text"], "--max-new-tokens", 4])
+    out = lines(result.stdout)
+    assert result.exit_code == 1 and "text only" in out[0]["error"] and out[1]["error"] is None
+
+
+def test_usage_errors_exit_2_with_one_sentence(model_dirs, workdir):
+    r = invoke(["run", workdir / "none.jsonl", "--model", model_dirs["text"]])
+    assert r.exit_code == 2 and "input file not found" in r.stderr
+    (workdir / "one.jsonl").write_bytes(jsonl({"prompt": "x"}))
+    r = invoke(["run", workdir / "one.jsonl", "--model", "no-such-model"])
+    assert r.exit_code == 2 and "unknown model 'no-such-model'" in r.stderr and "Traceback" not in r.stderr
+    r = invoke(["run", workdir / "one.jsonl", "--model", model_dirs["text"], "--method", "fast"])
+    assert r.exit_code == 2 and "unknown method" in r.stderr
+    r = invoke(["run", workdir / "one.jsonl", "--model", model_dirs["text"], "--method", "tr", "--budget", "4"])
+    assert r.exit_code == 2 and "recap only" in r.stderr
+
+
+def test_resume_skips_answered_ids_and_repairs_a_torn_line(model_dirs, workdir):
+    path, out = workdir / "resume.jsonl", workdir / "resume.out.jsonl"
+    recs = [{"id": f"r{i}", "prompt": f"Question number {i}?"} for i in range(4)]
+    path.write_bytes(jsonl(*recs[:2]))
+    assert invoke(["run", path, "--model", model_dirs["text"], "-o", out, "--max-new-tokens", 4]).exit_code == 0
+    with open(out, "ab") as f:
+        f.write(b'{"id": "r2", "answ')  # a crash mid-line
+    path.write_bytes(jsonl(*recs))
+    r = invoke(["run", path, "--model", model_dirs["text"], "-o", out, "--resume", "--max-new-tokens", 4])
+    assert r.exit_code == 0
+    ids = [x["id"] for x in lines(out.read_text())]
+    assert ids == ["r0", "r1", "r2", "r3"]
+
+
+def test_ctrl_c_keeps_the_output_valid(model_dirs, workdir, monkeypatch):
+    path, out = workdir / "intr.jsonl", workdir / "intr.out.jsonl"
+    path.write_bytes(jsonl(*[{"id": i, "prompt": "Tell me more."} for i in range(3)]))
+    real = cli.answer
+    calls = []
+
+    def interrupt_second(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cli, "answer", interrupt_second)
+    r = invoke(["run", path, "--model", model_dirs["text"], "-o", out, "--max-new-tokens", 4])
+    assert r.exit_code == 130 and "interrupted" in r.stderr
+    assert [x["id"] for x in lines(out.read_text())] == [0]
+
+
+def test_memory_round_trip_makes_a_warm_start(model_dirs, workdir):
+    """A run that loads the saved order-1 memory accepts more tokens on the same inputs than a cold run."""
+    path, mem = workdir / "mem.jsonl", workdir / "memory.pt"
+    path.write_bytes(jsonl(*[{"id": i, "image": "a.png", "question": q}
+                             for i, q in enumerate(["Describe it.", "What colour is the square?"])]))
+    args = ["run", path, "--model", model_dirs["qwen"], "--max-new-tokens", 24, "--orders", "1", "--no-suffix"]
+    cold = invoke(args + ["--memory", mem])
+    assert cold.exit_code == 0 and mem.is_file()
+    warm = invoke(args + ["--memory", mem])
+    cold_out, warm_out = lines(cold.stdout), lines(warm.stdout)
+    assert [r["answer"] for r in warm_out] == [r["answer"] for r in cold_out]
+    assert sum(r["mean_accepted"] for r in warm_out) > sum(r["mean_accepted"] for r in cold_out)
+    r = invoke(["run", path, "--model", model_dirs["llava"], "--memory", mem, "--max-new-tokens", 2])
+    assert r.exit_code == 2 and "cannot load memory" in r.stderr  # another vocabulary
+
+
+def test_answers_are_identical_across_methods(model_dirs, workdir):
+    path = workdir / "methods.jsonl"
+    multi = {"id": "mt", "image": "a.png", "messages": [{"role": "user", "content": "What is this?"},
+                                                        {"role": "user", "content": "And its colour?"}]}
+    path.write_bytes(jsonl(*GOOD[:2], multi))
+    answers = {}
+    for method in ("ar", "recap", "tr", "pld"):
+        r = invoke(["run", path, "--model", model_dirs["llava"], "--method", method, "--max-new-tokens", 16])
+        assert r.exit_code == 0, r.stderr
+        out = lines(r.stdout)
+        answers[method] = [(x["answer"], x.get("answers")) for x in out]
+        assert all(x["method"] == method for x in out)
+    assert answers["recap"] == answers["ar"] == answers["tr"] == answers["pld"]
+    assert len(answers["ar"][2][1]) == 2  # both turns answered

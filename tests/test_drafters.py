@@ -1,0 +1,242 @@
+"""Semantics of RECAP's memories, mixing, suffix lookup and trees; the baselines' shapes."""
+
+from __future__ import annotations
+
+import torch
+
+from recap_cli.drafters import PromptLookupDrafter, RecapDrafter, TokenRecyclingDrafter, make_drafter
+from recap_cli.drafters.memory import KeyedMemory, NgramIndex, TokenTable
+from recap_cli.drafters.tr import LEVEL_SIZES, build_template
+from recap_cli.tree import Rows, Source, Tree, Verified
+
+V = 100
+IMAGE = 99
+
+
+def rows_of(*dists: dict[int, float]) -> Rows:
+    """Rows from {token: prob} dicts (padded to k = 8 with tiny probabilities on unused tokens)."""
+    ids, probs = [], []
+    for d in dists:
+        items = sorted(d.items(), key=lambda kv: -kv[1])
+        pad = [t for t in range(80, 99) if t not in d][: 8 - len(items)]
+        items += [(t, 1e-6) for t in pad]
+        total = sum(p for _, p in items)
+        ids.append([t for t, _ in items])
+        probs.append([p / total for _, p in items])
+    return Rows(ids=torch.tensor(ids), probs=torch.tensor(probs))
+
+
+def verified(tree: Tree, rows: Rows, path=(0,)) -> Verified:
+    return Verified(path=list(path), bonus=0, argmax=[0] * len(tree), rows=rows)
+
+
+def drafter(**kw) -> RecapDrafter:
+    return RecapDrafter(V, banned=[IMAGE], **kw)
+
+
+def test_order2_and_3_reset_per_request_order1_persists():
+    d = drafter()
+    prompt = [1, 2, 3, 4]
+    d.start(prompt, Rows(ids=rows_of({5: 1}).ids.repeat(4, 1), probs=rows_of({5: 1}).probs.repeat(4, 1),
+                         positions=[0, 1, 2, 3]))
+    assert d.keyed[3].get((2, 3, 4)) is not None and d.keyed[2].get((3, 4)) is not None
+    assert d.order1.get(4) is not None
+    d.start([7, 8], None)
+    assert len(d.keyed[2]) == 0 and len(d.keyed[3]) == 0
+    assert d.order1.get(4) is not None  # the session memory survives the new request
+    d.reset()
+    assert d.order1.get(4) is None
+
+
+def test_prefill_rows_skip_image_positions():
+    d = drafter()
+    prompt = [1, IMAGE, IMAGE, 2]
+    d.start(prompt, Rows(ids=rows_of({5: 1}, {6: 1}).ids, probs=rows_of({5: 1}, {6: 1}).probs, positions=[0, 3]))
+    assert d.order1.get(1)[0][0] == 5 and d.order1.get(2)[0][0] == 6
+    assert d.order1.get(IMAGE) is None
+    assert d.keyed[3].get((IMAGE, IMAGE, 2))[0][0] == 6  # the key is the real path, image tokens included
+
+
+def test_keys_follow_each_node_path_and_newer_rows_overwrite():
+    d = drafter(suffix=False)
+    d.start([1, 2, 3], None)
+    context = [1, 2, 3]
+    d.propose(context, room=10)  # sets the committed tail (1, 2, 3)
+    # root 3 -> 10 -> 11, and root -> 20 : node keys (1,2,3), (2,3,10), (3,10,11), (2,3,20)
+    tree = Tree(tokens=[3, 10, 11, 20], parents=[-1, 0, 1, 0], sources=[0, 1, 1, 1])
+    d.observe(tree, verified(tree, rows_of({40: 1}, {41: 1}, {42: 1}, {43: 1})))
+    assert d.keyed[3].get((1, 2, 3))[0][0] == 40
+    assert d.keyed[3].get((2, 3, 10))[0][0] == 41
+    assert d.keyed[3].get((3, 10, 11))[0][0] == 42
+    assert d.keyed[3].get((2, 3, 20))[0][0] == 43
+    assert d.keyed[2].get((10, 11))[0][0] == 42
+    # A newer row for the same key replaces the older one.
+    d.observe(tree, verified(tree, rows_of({50: 1}, {41: 1}, {42: 1}, {43: 1})))
+    assert d.keyed[3].get((1, 2, 3))[0][0] == 50 and d.order1.get(3)[0][0] == 50
+
+
+def test_accepted_path_rows_win_within_a_step():
+    d = drafter(suffix=False)
+    d.start([1, 2, 3], None)
+    d.propose([1, 2, 3], room=10)
+    # Two nodes with token 10 at different places; the accepted one (node 2) must own order-1 key 10.
+    tree = Tree(tokens=[3, 10, 7, 10], parents=[-1, 0, 0, 2], sources=[0, 1, 1, 1])
+    d.observe(tree, verified(tree, rows_of({1: 1}, {60: 1}, {2: 1}, {61: 1}), path=[0, 2, 3]))
+    assert d.order1.get(10)[0][0] == 61
+
+
+def test_keyed_memory_cap_drops_the_oldest_key():
+    m = KeyedMemory(cap=3)
+    for i in range(5):
+        m.put((i,), ((i,), (1.0,)))
+    assert len(m) == 3 and m.get((0,)) is None and m.get((1,)) is None and m.get((4,)) is not None
+
+
+def test_token_table_state_round_trip():
+    t = TokenTable(10)
+    t.put(3, ((4, 5), (0.75, 0.25)))
+    u = TokenTable(10)
+    u.load_state(t.state())
+    assert u.get(3) == ((4, 5), (0.75, 0.25)) and u.filled() == 1
+
+
+def _seed(d: RecapDrafter, key: tuple[int, int, int], order: int, dist: dict[int, float]) -> None:
+    r = rows_of(dist)
+    row = (tuple(r.ids[0].tolist()), tuple(r.probs[0].tolist()))
+    if order == 1:
+        d.order1.put(key[-1], row)
+    else:
+        d.keyed[order].put(key[-order:], row)
+
+
+def test_mixing_prefers_the_more_specific_key():
+    d = drafter()
+    key = (1, 2, 3)
+    _seed(d, key, 1, {10: 0.7, 11: 0.3})
+    _seed(d, key, 3, {11: 0.7, 10: 0.3})
+    assert d.mix(key)[0][:1] == (11,) and d.mix(key)[0][2] == 3
+
+
+def test_mixing_prefers_the_more_confident_row():
+    d = drafter(weights={3: 0.4, 2: 0.3, 1: 0.3})
+    key = (1, 2, 3)
+    _seed(d, key, 3, {20: 0.6, 21: 0.2, 22: 0.2})  # specific but less concentrated
+    _seed(d, key, 2, {21: 0.97, 20: 0.03})  # concentrated
+    assert d.mix(key)[0][0] == 21
+    # With fixed weights (0.7 for the most specific present) the order-3 row wins instead.
+    f = drafter(mixing="fixed")
+    _seed(f, key, 3, {20: 0.6, 21: 0.2, 22: 0.2})
+    _seed(f, key, 2, {21: 0.97, 20: 0.03})
+    assert f.mix(key)[0][0] == 20
+
+
+def test_mixture_is_a_distribution_and_orders_can_be_switched_off():
+    d = drafter()
+    key = (1, 2, 3)
+    _seed(d, key, 1, {10: 0.5, 11: 0.5})
+    _seed(d, key, 3, {12: 1.0})
+    total = sum(p for _, p, _ in drafter_mix_all(d, key))
+    assert abs(total - 1) < 1e-4
+    only1 = drafter(orders=(1,))
+    _seed(only1, key, 1, {10: 0.5, 11: 0.5})
+    _seed(only1, key, 3, {12: 1.0})
+    assert {t for t, _, _ in only1.mix(key)} >= {10, 11} and 12 not in {t for t, _, _ in only1.mix(key)}
+
+
+def drafter_mix_all(d: RecapDrafter, key):
+    d.width = 64
+    return d.mix(key)
+
+
+def test_suffix_lookup_finds_the_longest_earlier_match():
+    idx = NgramIndex(max_n=8)
+    seq = [5, 1, 2, 3, 9, 7, 2, 3, 8, 1, 2, 3]
+    # "2 3" occurs at 2..3 and 6..7, but "1 2 3" only at 1..3: the longer match wins, followed by 9, 7.
+    n, follow = idx.continuation(seq, 2)
+    assert n == 3 and follow == [9, 7]
+    assert idx.continuation([1, 2, 3, 4], 3) == (0, [])
+
+
+def test_suffix_lookup_never_continues_into_image_tokens():
+    idx = NgramIndex(max_n=4, skip=[IMAGE])
+    assert idx.continuation([1, 2, 4, IMAGE, IMAGE, 1, 2], 4) == (2, [4])
+
+
+def _seeded_chain_drafter(**kw) -> RecapDrafter:
+    d = drafter(**kw)
+    d.start([1, 2, 3], None)
+    for t in range(1, 60):  # token t is followed by t+1 with prob 0.6, then by others
+        dist = {t + 1: 0.6, t + 20: 0.2, t + 21: 0.1, t + 22: 0.1}
+        dist = {k % 98: v for k, v in dist.items()}
+        _seed(d, (0, 0, t), 1, dist)
+    return d
+
+
+def test_tree_respects_budget_depth_and_lays_the_top1_chain_first():
+    d = _seeded_chain_drafter(budget=20, depth=4, suffix=False)
+    tree = d.propose([1, 2, 3], room=100)
+    tree.validate()
+    assert len(tree) == 21
+    assert max(tree.depths()) <= 4
+    # The top-1 chain 3 -> 4 -> 5 -> 6 -> 7 sits at indices 0..4.
+    assert tree.tokens[:5] == [3, 4, 5, 6, 7] and tree.parents[:5] == [-1, 0, 1, 2, 3]
+    assert d.propose([1, 2, 3], room=2).depths() and max(d.propose([1, 2, 3], room=2).depths()) <= 2
+
+
+def test_tree_never_drafts_the_image_token():
+    d = drafter(suffix=False)
+    d.start([1, 2, 3], None)
+    _seed(d, (0, 0, 3), 1, {IMAGE: 0.9, 4: 0.1})
+    tree = d.propose([1, 2, 3], room=10)
+    assert IMAGE not in tree.tokens[1:] and 4 in tree.tokens
+
+
+def test_suffix_continuation_is_merged_as_a_path():
+    d = drafter(budget=0, suffix=True)
+    context = [1, 2, 3, 4, 5, 6, 1, 2, 3]
+    d.start(context[:-1], None)
+    tree = d.propose(context, room=10)
+    assert tree.tokens == [3, 4, 5, 6, 1] and tree.parents == [-1, 0, 1, 2, 3]
+    assert all(s == Source.SUFFIX for s in tree.sources[1:])
+    # A continuation that starts with an already drafted token reuses that node.
+    m = _seeded_chain_drafter(budget=3, depth=3, suffix=True)
+    m.start([1, 2, 3, 4, 9, 1, 2], None)
+    t = m.propose([1, 2, 3, 4, 9, 1, 2, 3], room=10)
+    assert t.tokens.count(4) == 1 and t.parents[t.tokens.index(9)] == t.tokens.index(4)
+
+
+def test_token_recycling_template_has_the_papers_shape():
+    template = build_template()
+    assert len(template) == 80
+    depth = [0]
+    for parent, _ in template:
+        depth.append(depth[parent] + 1)
+    assert [depth.count(level) for level in range(1, 7)] == list(LEVEL_SIZES)
+    assert len(set(template)) == 80
+
+
+def test_token_recycling_fills_from_the_matrix_and_keeps_it_across_requests():
+    d = TokenRecyclingDrafter(V)
+    d.start([1, 2], Rows(ids=rows_of({5: 1}, {6: 1}).ids, probs=rows_of({5: 1}, {6: 1}).probs, positions=[0, 1]))
+    tree = d.propose([1, 2], room=10)
+    assert tree.tokens[1] == 6 and all(s == Source.MATRIX for s in tree.sources[1:])
+    d.start([7], None)
+    assert d.propose([1, 2], room=10).tokens[1] == 6  # hot start: the matrix outlives the request
+    assert max(d.propose([1, 2], room=1).depths()) == 1
+
+
+def test_prompt_lookup_drafts_a_chain_after_the_first_match():
+    d = PromptLookupDrafter(num_tokens=3)
+    ctx = [7, 1, 2, 3, 4, 5, 1, 2, 3, 8, 9, 1, 2, 3]
+    d.start(ctx, None)
+    tree = d.propose(ctx, room=10)
+    assert tree.tokens == [3, 4, 5, 1] and tree.parents == [-1, 0, 1, 2]
+
+
+def test_make_drafter_rejects_unknown_methods_and_misplaced_knobs():
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown method"):
+        make_drafter("magic", V)
+    with pytest.raises(ValueError, match="recap only"):
+        make_drafter("tr", V, budget=3)

@@ -1,0 +1,66 @@
+"""Every drafter, and RECAP's ablations, reproduce the one-token greedy tokens on both architectures."""
+
+from __future__ import annotations
+
+import pytest
+
+from recap_cli.session import Session
+
+from .conftest import request
+
+QUESTIONS = ["What colour is the square?", "Describe the picture in one sentence, please.",
+             "Summarise the passage: the quick brown fox jumps over the lazy dog."]
+VARIANTS = [("recap", {}), ("recap", {"mixing": "fixed"}), ("recap", {"orders": (1,)}),
+            ("recap", {"suffix": False, "budget": 16, "depth": 4}), ("recap", {"top_k": 4, "budget": 64}),
+            ("tr", {}), ("pld", {})]
+
+
+@pytest.mark.parametrize("arch", ["qwen", "llava", "text"])
+def test_all_methods_match_ar_over_a_stream(get_adapter, arch):
+    """One session per method over a stream of requests, so the persistent memory carries over between them."""
+    adapter = get_adapter(arch)
+    ar = Session(adapter, "ar")
+    stream = [request(arch, q, seed) for seed, q in enumerate(QUESTIONS)] * 2  # repeats exercise warm memory
+    expected = [ar.answer(m, imgs, 40).tokens for m, imgs in stream]
+    for method, knobs in VARIANTS:
+        session = Session(adapter, method, **knobs)
+        for (m, imgs), want in zip(stream, expected):
+            gen = session.answer(m, imgs, 40)
+            assert gen.tokens == want, (method, knobs)
+            assert sum(gen.by_source.values()) == len(gen.tokens)
+
+
+def test_recap_drafts_and_is_accepted_on_repeated_requests(get_adapter):
+    """The second pass over the same request finds its own earlier predictions: more tokens per step."""
+    adapter = get_adapter("qwen")
+    session = Session(adapter, "recap")
+    msgs, imgs = request("qwen", QUESTIONS[1], 3)
+    cold = session.answer(msgs, imgs, 40)
+    warm = session.answer(msgs, imgs, 40)
+    assert warm.tokens == cold.tokens
+    assert warm.mean_accepted > cold.mean_accepted
+    assert warm.by_source["ORDER1"] + warm.by_source["SUFFIX"] + warm.by_source["ORDER2"] > 0
+
+
+def test_image_token_is_never_drafted(get_adapter):
+    adapter = get_adapter("llava")
+    session = Session(adapter, "recap")
+    seen = []
+    real = session.engine.verify
+
+    def spy(tree):
+        seen.extend(tree.tokens[1:])
+        return real(tree)
+
+    session.engine.verify = spy
+    for seed in range(2):
+        session.answer(*request("llava", QUESTIONS[0], seed), 30)
+    assert seen and adapter.image_token_id not in seen
+
+
+def test_engine_top_k_follows_the_drafter(get_adapter):
+    session = Session(get_adapter("text"), "recap", top_k=4)
+    assert session.engine.top_k == 4
+    gen = session.answer(*request("text", "hi", 0), 5)
+    assert len(gen.tokens) == 5 and session.drafter.order1.get(gen.tokens[0]) is not None
+    assert all(len(session.drafter.order1.get(t)[0]) == 4 for t in gen.tokens[:-1])
