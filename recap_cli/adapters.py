@@ -118,9 +118,8 @@ class QwenVLAdapter(Adapter):
     def build(self, messages: list[Message], images: list[Image.Image]) -> Prompt:
         inputs = self._processor_inputs(messages, images)
         input_ids = inputs.pop("input_ids")
-        type_ids = inputs.pop("mm_token_type_ids", None)
-        if type_ids is None:
-            type_ids = (input_ids == self.image_token_id).int()
+        # Kept in model_inputs so generate() can derive the same positions; the engine's forward ignores it.
+        type_ids = inputs.setdefault("mm_token_type_ids", (input_ids == self.image_token_id).int())
         if "image_grid_thw" not in inputs:  # text-only request: plain positions
             return Prompt(input_ids=input_ids, model_inputs=inputs)
         positions, delta = self.model.model.get_rope_index(

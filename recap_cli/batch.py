@@ -47,15 +47,21 @@ class Totals:
 
 def answer(session: Session, req: Request, model: str, max_new_tokens: int) -> dict:
     """The output record for one request; any per-request failure becomes its ``error``."""
+    return answer_with_tokens(session, req, model, max_new_tokens)[0]
+
+
+def answer_with_tokens(session: Session, req: Request, model: str,
+                       max_new_tokens: int) -> tuple[dict, list[list[int]]]:
+    """The record and each turn's token ids (empty on error), for callers that check exactness."""
     if req.error is not None:
-        return error_record(req, session.method, model, req.error)
+        return error_record(req, session.method, model, req.error), []
     try:
         return _answer(session, req, model, req.max_new_tokens or max_new_tokens)
     except ValueError as exc:  # bad image, image given to a text model, ...
-        return error_record(req, session.method, model, str(exc))
+        return error_record(req, session.method, model, str(exc)), []
 
 
-def _answer(session: Session, req: Request, model: str, max_new_tokens: int) -> dict:
+def _answer(session: Session, req: Request, model: str, max_new_tokens: int) -> tuple[dict, list[list[int]]]:
     adapter = session.adapter
     images = [load_image(req.image)] if req.image is not None else []
     conversation = list(req.history)
@@ -77,7 +83,7 @@ def _answer(session: Session, req: Request, model: str, max_new_tokens: int) -> 
     record = result_record(req, session.method, model, answers[-1], gens)
     if len(req.turns) > 1:
         record["answers"] = answers
-    return record
+    return record, [g.tokens for g in gens]
 
 
 def result_record(req: Request, method: str, model: str, answer: str, gens: list[Generation]) -> dict:

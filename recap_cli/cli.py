@@ -12,7 +12,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import records
+from . import compare as comparison
+from . import records, report
 from .batch import Totals, answer
 from .drafters import METHODS
 from .models import REGISTRY, ModelError, load
@@ -96,6 +97,68 @@ def run(
     if interrupted:
         raise typer.Exit(EXIT_INTERRUPTED)
     raise typer.Exit(EXIT_FAILED_RECORDS if totals.errors else EXIT_OK)
+
+
+@app.command()
+def compare(
+    inputs: list[Path] = typer.Argument(..., help="JSONL files; each is a dataset unless records name one"),
+    baseline: str = typer.Option("ar", help="the method speedups are measured against"),
+    methods: str = typer.Option("recap,tr,pld", help="comma-separated; recap variants as "
+                                "recap:mixing=fixed, recap:orders=1, recap:suffix=off, recap:budget=16"),
+    model: str = typer.Option("qwen2.5-vl-7b", "--model", "-m", help="short name, hub repo id or local directory"),
+    max_new_tokens: int = typer.Option(200, min=1),
+    warmup: int = typer.Option(1, min=0, help="inputs run untimed through every method first"),
+    keep_memory: bool = typer.Option(False, help="keep drafter memory across datasets (default: clear it)"),
+    report_dir: Optional[Path] = typer.Option(None, "--report", help="write report.md and speedups.png here"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the summary and every measurement here"),
+    device: str = typer.Option("auto"),
+    dtype: str = typer.Option("auto"),
+    attn: str = typer.Option("sdpa"),
+) -> None:
+    """Run every method on the same inputs, interleaved, and report speedups over the baseline.
+
+    stdout gets one JSON line per (input, method) measurement; the tables go to stderr."""
+    labels = list(dict.fromkeys([baseline] + [m.strip() for m in methods.split(",") if m.strip()]))
+    try:
+        for label in labels:
+            comparison.parse_method(label)
+    except ValueError as exc:
+        fail(str(exc))
+    requests = []
+    for path in inputs:
+        source, base, _ = _open_inputs(str(path))
+        for req in _requests(source, base):
+            req.dataset = req.dataset or path.stem
+            requests.append(req)
+    try:
+        adapter = load(model, device=device, dtype=dtype, attn=attn)
+    except ModelError as exc:
+        fail(str(exc))
+    sessions = {label: comparison.make_session(adapter, label) for label in labels}
+    with _progress(len(requests)) as progress:
+        task = progress.add_task("comparing", total=len(requests))
+
+        def emit(batch: list[comparison.Measurement]) -> None:
+            for row in comparison.rows_as_dicts(batch):
+                _write(sys.stdout.buffer, row)
+            progress.advance(task)
+
+        rows = comparison.run(sessions, requests, baseline, model, max_new_tokens, warmup, keep_memory, emit)
+    summary = comparison.summarize(rows, baseline)
+    report.table(summary, baseline, err)
+    header = (f"model `{model}`, {len(requests)} inputs, max {max_new_tokens} new tokens, "
+              f"device {adapter.device}, dtype {str(adapter.model.dtype).removeprefix('torch.')}")
+    if json_out is not None:
+        json_out.write_bytes(orjson.dumps({"setup": header, "baseline": baseline, "summary": summary,
+                                           "rows": comparison.rows_as_dicts(rows)},
+                                          option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+    if report_dir is not None:
+        report_dir.mkdir(parents=True, exist_ok=True)
+        (report_dir / "report.md").write_text(report.markdown(summary, baseline, header) + "\n")
+        report.plot(summary, report_dir / "speedups.png")
+        err.print(f"report written to {report_dir}")
+    mismatched = any(s["mismatches"] for ms in summary.values() for s in ms.values())
+    raise typer.Exit(EXIT_FAILED_RECORDS if mismatched else EXIT_OK)
 
 
 def _open_inputs(inputs: str) -> tuple[IO[bytes], Path, int | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import tempfile
 from pathlib import Path
 
@@ -64,3 +65,41 @@ class Session:
 def _persistent_table(drafter):
     """The drafter's memory that outlives a request: RECAP's order-1 table or Token Recycling's matrix."""
     return getattr(drafter, "order1", None) or getattr(drafter, "table", None)
+
+
+class GenerateSession:
+    """transformers' own ``generate(do_sample=False)``: what a user would run instead (``hf``), optionally with
+    its prompt lookup (``hf-pld``). Same interface as ``Session`` so the same request code drives both."""
+
+    def __init__(self, adapter: Adapter, method: str = "hf"):
+        if method not in ("hf", "hf-pld"):
+            raise ValueError(f"unknown generate() method '{method}'")
+        self.adapter = adapter
+        self.method = method
+
+    def answer(self, messages: list[Message], images: list[Image.Image], max_new_tokens: int) -> Generation:
+        prompt = self.adapter.build(messages, images)
+        # Pure greedy: checkpoints such as Qwen2.5-VL ship a repetition penalty in their generation config.
+        kw = dict(max_new_tokens=max_new_tokens, do_sample=False, repetition_penalty=1.0)
+        if self.method == "hf-pld":
+            kw["prompt_lookup_num_tokens"] = 10
+        model = self.adapter.model
+        _sync(self.adapter.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids),
+                                 **prompt.model_inputs, **kw)
+        _sync(self.adapter.device)
+        # generate() does not split prefill from decoding: its whole time is booked as decoding.
+        return Generation(tokens=out[0, prompt.length:].tolist(), verify_s=time.perf_counter() - t0)
+
+    def reset_memory(self) -> None:
+        """generate() keeps nothing between requests."""
+
+    def save_memory(self, path: Path) -> bool:
+        return False
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

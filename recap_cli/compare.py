@@ -1,0 +1,172 @@
+"""Paired speed comparisons: every method on the same inputs, in one process, interleaved per input.
+
+The method order rotates from one input to the next so machine drift hits all methods alike. Every method's
+tokens are checked against the baseline's; a mismatch is reported, never hidden. Statistics follow the RECAP
+paper: the mean over inputs of per-input throughput ratios, plus the ratio of total throughputs and percentiles.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+
+from .adapters import Adapter
+from .batch import answer_with_tokens
+from .drafters import METHODS
+from .records import Request
+from .session import GenerateSession, Session
+
+HF_METHODS = ("hf", "hf-pld")
+KNOB_PARSERS: dict[str, Callable[[str], object]] = {
+    "mixing": str, "budget": int, "depth": int, "width": int, "top_k": int, "suffix_len": int,
+    "suffix": lambda v: {"on": True, "off": False}[v],
+    "orders": lambda v: tuple(int(c) for c in v),
+}
+
+
+@dataclass
+class Measurement:
+    """One method on one input."""
+
+    id: str
+    dataset: str
+    method: str
+    new_tokens: int = 0
+    seconds: float = 0.0  # prefill + decoding
+    steps: int = 0
+    emitted: int = 0  # tokens that came out of verification steps (each turn's first token is prefill's)
+    draft_s: float = 0.0
+    decode_s: float = 0.0
+    match: bool | None = None  # tokens equal the baseline's
+    error: str | None = None
+
+    @property
+    def throughput(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def parse_method(spec: str) -> tuple[str, dict]:
+    """``recap:mixing=fixed:orders=1:suffix=off:budget=16`` -> ("recap", knobs); plain names have no knobs."""
+    name, *parts = spec.split(":")
+    if name not in METHODS + HF_METHODS:
+        raise ValueError(f"unknown method '{name}': use {', '.join(METHODS + HF_METHODS)}")
+    knobs = {}
+    for part in parts:
+        key, _, value = part.partition("=")
+        if key not in KNOB_PARSERS or not value:
+            raise ValueError(f"'{part}' in '{spec}': variants take {', '.join(KNOB_PARSERS)} as key=value")
+        try:
+            knobs[key] = KNOB_PARSERS[key](value)
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"bad value in '{part}' of '{spec}'") from exc
+    if knobs and name != "recap":
+        raise ValueError(f"'{spec}': only recap has variants")
+    return name, knobs
+
+
+def make_session(adapter: Adapter, spec: str):
+    name, knobs = parse_method(spec)
+    return GenerateSession(adapter, name) if name in HF_METHODS else Session(adapter, name, **knobs)
+
+
+def group(requests: Iterable[Request]) -> dict[str, list[Request]]:
+    """Datasets in first-seen order: a record's ``dataset`` field, else what the caller set (its file)."""
+    groups: dict[str, list[Request]] = {}
+    for req in requests:
+        groups.setdefault(req.dataset or "default", []).append(req)
+    return groups
+
+
+def run(sessions: dict, requests: list[Request], baseline: str, model: str, max_new_tokens: int,
+        warmup: int = 1, keep_memory: bool = False,
+        on_input: Callable[[list[Measurement]], None] | None = None) -> list[Measurement]:
+    """Measure every session on every request; memories are cleared before each dataset unless kept."""
+    labels = list(sessions)
+    if baseline not in sessions:
+        raise ValueError(f"the baseline '{baseline}' must be among the methods")
+    for req in [r for r in requests if r.error is None][:warmup]:
+        for label in labels:
+            answer_with_tokens(sessions[label], req, model, max_new_tokens)
+    rows: list[Measurement] = []
+    for d, (dataset, reqs) in enumerate(group(requests).items()):
+        if d == 0 or not keep_memory:  # the warm-up's memories go too: every dataset starts alike
+            for s in sessions.values():
+                s.reset_memory()
+        for i, req in enumerate(reqs):
+            order = labels[i % len(labels):] + labels[: i % len(labels)]
+            measured = {label: _measure(sessions[label], req, dataset, label, model, max_new_tokens)
+                        for label in order}
+            base_tokens = measured[baseline][1]
+            batch = []
+            for label in labels:
+                m, tokens = measured[label]
+                if m.error is None and measured[baseline][0].error is None:
+                    m.match = tokens == base_tokens
+                batch.append(m)
+            rows.extend(batch)
+            if on_input:
+                on_input(batch)
+    return rows
+
+
+def _measure(session, req: Request, dataset: str, label: str, model: str,
+             max_new_tokens: int) -> tuple[Measurement, list[list[int]]]:
+    record, tokens = answer_with_tokens(session, req, model, max_new_tokens)
+    m = Measurement(id=str(req.id), dataset=dataset, method=label, error=record["error"])
+    if m.error is None:
+        m.new_tokens = record["new_tokens"]
+        m.seconds = (record["prefill_ms"] + record["decode_ms"]) / 1000
+        m.steps = record["steps"]
+        m.emitted = record["new_tokens"] - record["turns"]
+        m.draft_s = record["draft_ms"] / 1000
+        m.decode_s = record["decode_ms"] / 1000
+    return m, tokens
+
+
+def quantile(values: list[float], q: float) -> float:
+    """Linear interpolation between order statistics (numpy's default)."""
+    xs = sorted(values)
+    if not xs:
+        return math.nan
+    pos = (len(xs) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(rows: list[Measurement], baseline: str) -> dict:
+    """Per dataset (and ``all``) and per method: the paper's statistics against the baseline."""
+    out: dict[str, dict] = {}
+    datasets = list(dict.fromkeys(r.dataset for r in rows))
+    for dataset in datasets + (["all"] if len(datasets) > 1 else []):
+        sub = [r for r in rows if dataset == "all" or r.dataset == dataset]
+        base = {r.id: r for r in sub if r.method == baseline and r.error is None}
+        out[dataset] = {method: _stats([r for r in sub if r.method == method], base)
+                        for method in dict.fromkeys(r.method for r in sub)}
+    return out
+
+
+def _stats(rows: list[Measurement], base: dict[str, Measurement]) -> dict:
+    ok = [r for r in rows if r.error is None and r.id in base and base[r.id].throughput > 0]
+    speedups = [r.throughput / base[r.id].throughput for r in ok]
+    checked = [r for r in rows if r.match is not None]
+    tokens, seconds = sum(r.new_tokens for r in ok), sum(r.seconds for r in ok)
+    base_tokens, base_seconds = sum(base[r.id].new_tokens for r in ok), sum(base[r.id].seconds for r in ok)
+    steps = sum(r.steps for r in ok)
+    decode = sum(r.decode_s for r in ok)
+    return {
+        "inputs": len(rows), "errors": sum(r.error is not None for r in rows),
+        "mean_speedup": sum(speedups) / len(speedups) if speedups else math.nan,
+        "total_speedup": (tokens / seconds) / (base_tokens / base_seconds) if seconds and base_seconds else math.nan,
+        "p10": quantile(speedups, 0.1), "p50": quantile(speedups, 0.5), "p90": quantile(speedups, 0.9),
+        "tokens_per_s": tokens / seconds if seconds else math.nan,
+        "mean_accepted": sum(r.emitted for r in ok) / steps if steps else None,
+        "draft_share": sum(r.draft_s for r in ok) / decode if decode else 0.0,
+        "match_rate": sum(r.match for r in checked) / len(checked) if checked else math.nan,
+        "mismatches": [r.id for r in checked if not r.match],
+        "speedups": speedups,
+    }
+
+
+def rows_as_dicts(rows: list[Measurement]) -> list[dict]:
+    return [asdict(r) | {"tokens_per_s": r.throughput} for r in rows]

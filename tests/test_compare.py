@@ -1,0 +1,133 @@
+"""`recap compare`: statistics from known timings, rotation, mismatch reporting, memory resets per dataset."""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from recap_cli import cli
+from recap_cli.compare import Measurement, parse_method, quantile, run, summarize
+from recap_cli.engine import Generation
+from recap_cli.records import Request
+
+from .conftest import make_image
+
+
+def m(id, method, tokens, seconds, steps=0, emitted=0, match=True, draft=0.0, dataset="d"):
+    return Measurement(id=id, dataset=dataset, method=method, new_tokens=tokens, seconds=seconds, steps=steps,
+                       emitted=emitted, draft_s=draft, decode_s=seconds, match=match)
+
+
+def test_statistics_from_known_timings():
+    rows = [m("a", "ar", 100, 10.0, 99, 99), m("b", "ar", 50, 2.0, 49, 49),
+            m("a", "x", 100, 5.0, 33, 99, draft=0.5), m("b", "x", 50, 4.0, 25, 49, match=False, draft=0.3)]
+    s = summarize(rows, "ar")["d"]["x"]
+    # per-input speedups: a: 20/10 = 2.0, b: 12.5/25 = 0.5
+    assert s["speedups"] == [2.0, 0.5]
+    assert s["mean_speedup"] == pytest.approx(1.25)
+    assert s["total_speedup"] == pytest.approx((150 / 9.0) / (150 / 12.0))
+    assert s["p50"] == pytest.approx(1.25) and s["p10"] == pytest.approx(0.65) and s["p90"] == pytest.approx(1.85)
+    assert s["mean_accepted"] == pytest.approx(148 / 58)
+    assert s["draft_share"] == pytest.approx(0.8 / 9.0)
+    assert s["match_rate"] == 0.5 and s["mismatches"] == ["b"]
+    assert summarize(rows, "ar")["d"]["ar"]["mean_speedup"] == 1.0
+
+
+def test_quantile_interpolates_like_numpy():
+    assert quantile([1, 2, 3, 4], 0.5) == 2.5
+    assert quantile([3, 1, 2], 0.1) == pytest.approx(1.2)
+    assert math.isnan(quantile([], 0.5))
+
+
+def test_errors_are_counted_and_left_out_of_ratios():
+    rows = [m("a", "ar", 10, 1.0), m("a", "x", 10, 0.5), m("b", "ar", 10, 1.0),
+            Measurement(id="b", dataset="d", method="x", error="boom")]
+    s = summarize(rows, "ar")["d"]["x"]
+    assert s["errors"] == 1 and s["speedups"] == [2.0]
+
+
+def test_method_specs():
+    assert parse_method("recap:mixing=fixed:orders=12:suffix=off:budget=16") == (
+        "recap", {"mixing": "fixed", "orders": (1, 2), "suffix": False, "budget": 16})
+    assert parse_method("hf-pld") == ("hf-pld", {})
+    for bad in ("warp", "recap:speed=9", "tr:budget=3", "recap:suffix=maybe"):
+        with pytest.raises(ValueError):
+            parse_method(bad)
+
+
+class FakeAdapter:
+    supports_images = False
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+class FakeSession:
+    """Answers with preset tokens and timings (an injected clock), logging calls and memory resets."""
+
+    def __init__(self, method, log, seconds, wrong_on=()):
+        self.method, self.log, self.seconds, self.wrong_on = method, log, seconds, set(wrong_on)
+        self.adapter = FakeAdapter()
+        self.resets = 0
+
+    def answer(self, messages, images, max_new_tokens):
+        q = messages[-1]["content"]
+        self.log.append((self.method, q))
+        tokens = [1, 2, 3, 4] if q not in self.wrong_on else [1, 2, 9, 4]
+        steps = 3 if self.method == "ar" else 1
+        return Generation(tokens=tokens, steps=steps, prefill_s=0.0, verify_s=self.seconds)
+
+    def reset_memory(self):
+        self.resets += 1
+
+
+def requests(*pairs):
+    return [Request(line=i, id=f"r{i}", turns=[q], dataset=d) for i, (d, q) in enumerate(pairs)]
+
+
+def test_run_rotates_order_checks_tokens_and_resets_memory_per_dataset():
+    log = []
+    sessions = {"ar": FakeSession("ar", log, 2.0), "fast": FakeSession("fast", log, 1.0, wrong_on={"q3"}),
+                "slow": FakeSession("slow", log, 4.0)}
+    reqs = requests(("A", "q0"), ("A", "q1"), ("B", "q2"), ("B", "q3"))
+    rows = run(sessions, reqs, "ar", "fake", 8, warmup=1)
+    timed = log[3:]  # the first three calls are the warm-up
+    assert [meth for meth, _ in timed[:3]] == ["ar", "fast", "slow"]
+    assert [meth for meth, _ in timed[3:6]] == ["fast", "slow", "ar"]  # rotated for the next input
+    assert [meth for meth, _ in timed[6:9]] == ["ar", "fast", "slow"]  # a new dataset starts over
+    assert all(s.resets == 2 for s in sessions.values())  # once before each dataset
+    summary = summarize(rows, "ar")
+    assert summary["all"]["fast"]["mean_speedup"] == pytest.approx(2.0)
+    assert summary["all"]["slow"]["total_speedup"] == pytest.approx(0.5)
+    assert summary["B"]["fast"]["mismatches"] == ["r3"] and summary["A"]["fast"]["match_rate"] == 1.0
+    assert summary["all"]["fast"]["mean_accepted"] == 3.0 and summary["all"]["ar"]["mean_accepted"] == 1.0
+    kept = {"ar": FakeSession("ar", [], 2.0)}
+    run(kept, reqs, "ar", "fake", 8, warmup=0, keep_memory=True)
+    assert kept["ar"].resets == 1
+
+
+def test_compare_cli_on_a_tiny_model_writes_every_report(model_dirs, tmp_path):
+    make_image(1).save(tmp_path / "a.png")
+    make_image(2).save(tmp_path / "b.png")
+    vqa = [{"id": f"v{i}", "image": img, "question": "What colour is the square?"} for i, img in
+           enumerate(["a.png", "b.png"])]
+    cap = [{"id": f"c{i}", "image": img} for i, img in enumerate(["a.png", "b.png"])]
+    (tmp_path / "vqa.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in vqa))
+    (tmp_path / "cap.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in cap))
+    result = CliRunner().invoke(cli.app, [
+        "compare", str(tmp_path / "vqa.jsonl"), str(tmp_path / "cap.jsonl"), "--model", str(model_dirs["qwen"]),
+        "--methods", "recap,tr,hf,hf-pld,recap:orders=1", "--max-new-tokens", "12", "--warmup", "1",
+        "--report", str(tmp_path / "rep"), "--json", str(tmp_path / "cmp.json")])
+    assert result.exit_code == 0, result.stderr
+    rows = [orjson.loads(x) for x in result.stdout.splitlines()]
+    assert len(rows) == 4 * 6 and {r["dataset"] for r in rows} == {"vqa", "cap"}
+    assert all(r["match"] for r in rows)
+    data = orjson.loads((tmp_path / "cmp.json").read_bytes())
+    assert set(data["summary"]) == {"vqa", "cap", "all"}
+    assert data["summary"]["all"]["recap:orders=1"]["match_rate"] == 1.0
+    assert "| recap |" in (tmp_path / "rep" / "report.md").read_text()
+    assert Image.open(tmp_path / "rep" / "speedups.png").size[0] == 900
