@@ -25,12 +25,13 @@ from recap_cli.session import Session  # noqa: E402
 
 VARIANTS = {
     "ar": ("ar", {}),
-    "recap": ("recap", {}),
+    "recap": ("recap", {"budget": 64}),
+    "recap-16": ("recap", {"budget": 16}),
     "tr": ("tr", {}),
     "pld": ("pld", {}),
-    "recap-orders1": ("recap", {"orders": (1,)}),
-    "recap-fixed": ("recap", {"mixing": "fixed"}),
-    "recap-nosuffix": ("recap", {"suffix": False}),
+    "recap-orders1": ("recap", {"budget": 64, "orders": (1,)}),
+    "recap-fixed": ("recap", {"budget": 64, "mixing": "fixed"}),
+    "recap-nosuffix": ("recap", {"budget": 64, "suffix": False}),
 }
 
 

@@ -118,7 +118,7 @@ def test_mixing_prefers_the_more_specific_key():
 
 
 def test_mixing_prefers_the_more_confident_row():
-    d = drafter(weights={3: 0.4, 2: 0.3, 1: 0.3})
+    d = drafter(weights=(0.4, 0.3, 0.3))
     key = (1, 2, 3)
     _seed(d, key, 3, {20: 0.6, 21: 0.2, 22: 0.2})  # specific but less concentrated
     _seed(d, key, 2, {21: 0.97, 20: 0.03})  # concentrated
