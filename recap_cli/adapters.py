@@ -77,6 +77,21 @@ class Adapter:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+
+class VisionAdapter(Adapter):
+    """A vision-language model driven through its own processor (chat template + image preprocessing)."""
+
+    supports_images = True
+    image_token_attr = "image_token_id"  # where the config keeps the image placeholder id
+
+    def __init__(self, model: torch.nn.Module, processor: Any):
+        super().__init__(model, processor)
+        self.image_token_id = getattr(model.config, self.image_token_attr)
+
+    def build(self, messages: list[Message], images: list[Image.Image]) -> Prompt:
+        inputs = self._processor_inputs(messages, images)
+        return Prompt(input_ids=inputs.pop("input_ids"), model_inputs=inputs)
+
     def _processor_inputs(self, messages: list[Message], images: list[Image.Image]) -> dict[str, torch.Tensor]:
         if count_images(messages) != len(images):
             raise ValueError(f"{count_images(messages)} image slots in the messages but {len(images)} images")
@@ -87,33 +102,20 @@ class Adapter:
                 for k, v in batch.items() if k != "attention_mask"}
 
 
-class LlavaNextAdapter(Adapter):
+class LlavaNextAdapter(VisionAdapter):
     """LLaVA-1.6 (LLaVA-NeXT): the processor expands <image> into one token per feature; positions are 1-D."""
 
     arch = "llava_next"
-    supports_images = True
-
-    def __init__(self, model: torch.nn.Module, processor: Any):
-        super().__init__(model, processor)
-        self.image_token_id = model.config.image_token_index
-
-    def build(self, messages: list[Message], images: list[Image.Image]) -> Prompt:
-        inputs = self._processor_inputs(messages, images)
-        return Prompt(input_ids=inputs.pop("input_ids"), model_inputs=inputs)
+    image_token_attr = "image_token_index"
 
 
-class QwenVLAdapter(Adapter):
+class QwenVLAdapter(VisionAdapter):
     """Qwen2.5-VL: M-RoPE positions computed once here, with the delta that text positions carry afterwards.
 
     ``mm_token_type_ids`` must reach ``get_rope_index``, or it silently falls back to 1-D positions.
     """
 
     arch = "qwen2_5_vl"
-    supports_images = True
-
-    def __init__(self, model: torch.nn.Module, processor: Any):
-        super().__init__(model, processor)
-        self.image_token_id = model.config.image_token_id
 
     def build(self, messages: list[Message], images: list[Image.Image]) -> Prompt:
         inputs = self._processor_inputs(messages, images)

@@ -56,6 +56,7 @@ def run(
     mixing: Optional[str] = typer.Option(None, help="recap: confidence or fixed"),
     orders: Optional[str] = typer.Option(None, help="recap: memory orders to use, e.g. 1,2,3"),
     suffix: Optional[bool] = typer.Option(None, "--suffix/--no-suffix", help="recap: suffix continuations"),
+    compile: str = typer.Option("auto", help="static KV cache + CUDA graphs: auto (on with CUDA), on or off"),
 ) -> None:
     """Answer every request of INPUTS, one JSON line out per line in, in order."""
     if method not in METHODS:
@@ -64,11 +65,22 @@ def run(
         fail("--resume needs --output (the file to resume)")
     source, base, total = _open_inputs(inputs)
     knobs = _recap_knobs(method, budget=budget, depth=depth, mixing=mixing, orders=orders, suffix=suffix)
+    if compile not in ("auto", "on", "off"):
+        fail("--compile takes auto, on or off")
     try:
         adapter = load(model, device=device, dtype=dtype, attn=attn)
-        session = Session(adapter, method, **knobs)
+        compiled = compile == "on" or (compile == "auto" and adapter.device.type == "cuda")
+        session = Session(adapter, method, static=compiled, compile=compiled, **knobs)
     except (ModelError, ValueError) as exc:
         fail(str(exc))
+    if compiled:
+        try:
+            seconds = session.warm_up([records.as_parts(records.user_message("Hello.", False))], [])
+            err.print(f"compiled the decoding steps in {seconds:.1f} s (once per run)")
+        except Exception as exc:  # noqa: BLE001 - the fast path must never cost a user the run
+            err.print(f"[yellow]warning:[/] compiling the decoding steps failed ({type(exc).__name__}: "
+                      f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); decoding eagerly")
+            session = Session(adapter, method, **knobs)
     if memory is not None and memory.is_file():
         try:
             session.load_memory(memory)

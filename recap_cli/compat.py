@@ -1,8 +1,9 @@
 """The few places where transformers 5.x versions differ, kept in one file.
 
 Checked on 5.17 and 5.24: 5.24 renamed the forward kwarg ``past_key_values`` to ``cache`` (the old name warns);
-``DynamicCache.crop`` takes a negative count since 5.17 (a positive length is an error in 5.24); every 5.x cache
-holds per-layer ``keys``/``values`` tensors of shape (batch, kv_heads, length, head_dim).
+``DynamicCache.crop`` takes a negative count since 5.17 (a positive length is an error in 5.24), so recap cuts
+layers itself; every 5.x cache holds per-layer ``keys``/``values`` tensors of shape (batch, kv_heads, length,
+head_dim), and static layers keep their own write counter ``cumulative_length``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,25 @@ def new_cache(model: torch.nn.Module) -> DynamicCache:
     return DynamicCache(config=model.config)
 
 
+def new_static_cache(model: torch.nn.Module, capacity: int):
+    """A preallocated cache of ``capacity`` positions (allocated on the first write, in the model's dtype)."""
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=capacity)
+
+
+def is_static(layer) -> bool:
+    """Static layers write at their own counter (``cumulative_length``), ignoring any cache_position."""
+    return hasattr(layer, "cumulative_length")
+
+
+def set_length(cache, length: int) -> None:
+    """Point a static cache's write counters at ``length`` (a rewind; stale rows beyond it stay masked)."""
+    for layer in cache.layers:
+        if is_static(layer):
+            layer.cumulative_length.fill_(length)
+
+
 def cache_length(cache: DynamicCache) -> int:
     return cache.get_seq_length()
 
@@ -41,5 +61,8 @@ def keep_rows(cache: DynamicCache, start: int, rows: torch.Tensor | None, new_le
             # The right-hand side is gathered into a new tensor before the write, so overlaps are safe.
             layer.keys[:, :, start:start + n] = layer.keys[:, :, start + rows]
             layer.values[:, :, start:start + n] = layer.values[:, :, start + rows]
-        layer.keys = layer.keys[:, :, :new_length]
-        layer.values = layer.values[:, :, :new_length]
+        if is_static(layer):  # preallocated: move the write counter back, the rows beyond stay masked
+            layer.cumulative_length.fill_(new_length)
+        else:
+            layer.keys = layer.keys[:, :, :new_length]
+            layer.values = layer.values[:, :, :new_length]

@@ -18,30 +18,54 @@ from .adapters import Adapter, Prompt
 from .tree import Rows, Source, Tree, Verified
 
 
-class Engine:
-    """One request at a time (batch 1). ``length`` counts the tokens whose K/V rows sit in the cache."""
+BUCKETS = (1, 16, 32, 64, 128)
 
-    def __init__(self, adapter: Adapter, top_k: int = 8):
+
+class Engine:
+    """One request at a time (batch 1). ``length`` counts the tokens whose K/V rows sit in the cache.
+
+    ``static=True`` preallocates the KV cache and pads every step to a node-count bucket, so each step has one
+    of a few fixed shapes: what CUDA graphs need (``compile=True`` captures them with torch.compile).
+    """
+
+    def __init__(self, adapter: Adapter, top_k: int = 8, static: bool = False, compile: bool = False,
+                 buckets: tuple[int, ...] = BUCKETS, min_capacity: int = 0):
         self.adapter = adapter
         self.model = adapter.model
         self.top_k = top_k
         self.device = adapter.device
         self.dtype = self.model.dtype
         self._cache_kw = compat.cache_kwarg(self.model)
+        self.static, self.buckets = static or compile, buckets
+        self._step = torch.compile(self.model, mode="reduce-overhead", dynamic=False) if compile else self.model
         self.cache = None
+        self.capacity = 0
+        self.min_capacity = min_capacity  # a cache that never has to grow keeps captured graphs valid
         self.length = 0
         self.rope_delta = 0
 
+    def _new_cache(self, need: int) -> None:
+        if not self.static:
+            self.cache = compat.new_cache(self.model)
+            return
+        if self.cache is None or self.capacity < need:  # reused across requests while it is big enough
+            self.capacity = -(-max(need, self.min_capacity) // 256) * 256
+            self.cache = compat.new_static_cache(self.model, self.capacity)
+        compat.set_length(self.cache, 0)
+
     @torch.inference_mode()
-    def prefill(self, prompt: Prompt, want_rows: bool = False) -> tuple[int, Rows | None]:
-        """Run the prompt; return the first greedy token and, if asked, top-k rows at every text position."""
-        self.cache = compat.new_cache(self.model)
+    def prefill(self, prompt: Prompt, want_rows: bool = False, reserve: int = 256) -> tuple[int, Rows | None]:
+        """Run the prompt; return the first greedy token and, if asked, top-k rows at every text position.
+
+        ``reserve`` is the room a static cache keeps after the prompt (new tokens + the largest tree)."""
+        self._new_cache(prompt.length + reserve + max(self.buckets))
         self.rope_delta = prompt.rope_delta
         keep: int | torch.Tensor = 1
         if want_rows:  # rows at image placeholders are never keys a drafter could meet again
             keep = _text_positions(prompt.input_ids[0], self.adapter.image_token_id)
-        out = self.model(input_ids=prompt.input_ids, position_ids=prompt.position_ids, use_cache=True,
-                         logits_to_keep=keep, **{self._cache_kw: self.cache}, **prompt.model_inputs)
+        mask = self._causal_mask(prompt.length) if self.static else None
+        out = self.model(input_ids=prompt.input_ids, position_ids=prompt.position_ids, attention_mask=mask,
+                         use_cache=True, logits_to_keep=keep, **{self._cache_kw: self.cache}, **prompt.model_inputs)
         self.length = prompt.length
         logits = out.logits[0]
         first = int(logits[-1].argmax())
@@ -55,14 +79,17 @@ class Engine:
     def verify(self, tree: Tree) -> Verified:
         """Evaluate root + draft nodes in one forward pass, accept the longest greedy path, compact the cache."""
         n = len(tree)
-        depths = tree.depths()
-        ids = torch.tensor([tree.tokens], device=self.device)
-        pos = torch.tensor([depths], device=self.device) + (self.length + self.rope_delta)
+        size = self._bucket(n)
+        if self.static and self.length + size > self.capacity:
+            raise RuntimeError(f"static KV cache full ({self.capacity} positions): reserve more at prefill")
+        pad = size - n  # padding nodes hang off nothing: they see the prefix and themselves, no node sees them
+        ids = torch.tensor([tree.tokens + [tree.tokens[0]] * pad], device=self.device)
+        pos = torch.tensor([tree.depths() + [0] * pad], device=self.device) + (self.length + self.rope_delta)
         # Node i attends to the whole prefix, its ancestors and itself; one token needs no mask at all.
-        mask = self._tree_mask(tree.parents) if n > 1 else None
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+        mask = self._tree_mask(tree.parents + [-1] * pad) if size > 1 or self.static else None
+        out = self._step(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
                          **{self._cache_kw: self.cache})
-        logits = out.logits[0]
+        logits = out.logits[0, :n]
         argmax = logits.argmax(-1).tolist()  # the one device->host sync of the step
         rows = self._rows(logits)
         path = accept(tree, argmax)
@@ -74,8 +101,28 @@ class Engine:
         top = logits.topk(self.top_k, dim=-1)
         return Rows(ids=top.indices.cpu(), probs=torch.softmax(top.values.float(), -1).cpu())
 
+    def warm_up(self, prompt: Prompt) -> float:
+        """Run one step of every bucket once, so compilation / graph capture happens before timed work."""
+        t0 = time.perf_counter()
+        for size in self.buckets:
+            self.prefill(prompt, reserve=max(self.buckets))
+            self.verify(Tree(tokens=[0] * size, parents=[-1] + [0] * (size - 1)))
+        return time.perf_counter() - t0
+
+    def _bucket(self, n: int) -> int:
+        if not self.static:
+            return n
+        return next((b for b in self.buckets if b >= n), n)
+
+    def _causal_mask(self, n: int) -> torch.Tensor:
+        """Prefill mask over a static cache: causal within the prompt, nothing beyond it."""
+        mask = torch.full((n, self.capacity), torch.finfo(self.dtype).min, dtype=self.dtype)
+        mask[:, :n] = torch.full((n, n), torch.finfo(self.dtype).min, dtype=self.dtype).triu(1)
+        return mask.to(self.device)[None, None]
+
     def _tree_mask(self, parents: list[int]) -> torch.Tensor:
-        """Additive (1, 1, T, P+T) mask in the model dtype. Additive, not bool: eager attention adds the mask."""
+        """Additive (1, 1, T, P+T) mask in the model dtype. Additive, not bool: eager attention adds the mask.
+        Over a static cache the mask spans its whole capacity; positions past P+T stay masked."""
         n, p = len(parents), self.length
         ancestors: list[list[int]] = []
         rows, cols = [], []
@@ -88,8 +135,10 @@ class Engine:
         visible[rows, cols] = True
         tree_part = torch.full((n, n), torch.finfo(self.dtype).min, dtype=self.dtype)
         tree_part.masked_fill_(visible, 0.0)
-        mask = torch.cat([torch.zeros(n, p, dtype=self.dtype), tree_part], dim=1)
-        return mask.to(self.device)[None, None]
+        parts = [torch.zeros(n, p, dtype=self.dtype), tree_part]
+        if self.static:
+            parts.append(torch.full((n, self.capacity - p - n), torch.finfo(self.dtype).min, dtype=self.dtype))
+        return torch.cat(parts, dim=1).to(self.device)[None, None]
 
     def _keep(self, path: list[int]) -> None:
         """Keep the K/V rows of the accepted path at positions P.., drop the rest of the tree."""
@@ -146,7 +195,7 @@ def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int) -> Ge
     eos = engine.adapter.eos_token_ids
     gen = Generation()
     t0 = time.perf_counter()
-    first, rows = engine.prefill(prompt, want_rows=drafter.wants_prefill_rows)
+    first, rows = engine.prefill(prompt, want_rows=drafter.wants_prefill_rows, reserve=max_new_tokens)
     context = prompt.input_ids[0].tolist()
     gen.prefill_s = time.perf_counter() - t0
     drafter.start(context, rows)

@@ -18,14 +18,20 @@ from .engine import Engine, Generation, generate
 class Session:
     """Loaded once per ``recap run``; per-request memories reset inside the drafter, order 1 carries over."""
 
-    def __init__(self, adapter: Adapter, method: str = "recap", **knobs):
+    def __init__(self, adapter: Adapter, method: str = "recap", static: bool = False, compile: bool = False,
+                 **knobs):
         self.adapter = adapter
         self.method = method
         banned = [adapter.image_token_id] if adapter.image_token_id is not None else []
         if method == "recap":
             knobs.setdefault("budget", default_budget(adapter.device))
         self.drafter = make_drafter(method, adapter.vocab_size, banned=banned, **knobs)
-        self.engine = Engine(adapter, top_k=getattr(self.drafter, "top_k", 8))
+        self.engine = Engine(adapter, top_k=getattr(self.drafter, "top_k", 8), static=static, compile=compile,
+                             min_capacity=4096 if compile else 0)
+
+    def warm_up(self, messages: list[Message], images: list[Image.Image]) -> float:
+        """Compile / capture every step shape before timed work; seconds spent."""
+        return self.engine.warm_up(self.adapter.build(messages, images))
 
     def answer(self, messages: list[Message], images: list[Image.Image], max_new_tokens: int) -> Generation:
         prompt = self.adapter.build(messages, images)

@@ -64,3 +64,14 @@ def test_engine_top_k_follows_the_drafter(get_adapter):
     gen = session.answer(*request("text", "hi", 0), 5)
     assert len(gen.tokens) == 5 and session.drafter.order1.get(gen.tokens[0]) is not None
     assert all(len(session.drafter.order1.get(t)[0]) == 4 for t in gen.tokens[:-1])
+
+
+@pytest.mark.parametrize("arch", ["qwen", "llava"])
+def test_static_cache_path_matches_for_every_drafter(get_adapter, arch):
+    adapter = get_adapter(arch)
+    stream = [request(arch, q, seed) for seed, q in enumerate(QUESTIONS[:2])]
+    expected = [Session(adapter, "ar").answer(m, imgs, 30).tokens for m, imgs in stream]
+    for method in ("ar", "recap", "tr", "pld"):
+        session = Session(adapter, method, static=True)
+        assert session.engine.static
+        assert [session.answer(m, imgs, 30).tokens for m, imgs in stream] == expected, method

@@ -150,8 +150,8 @@ def test_check_catches_a_bool_mask_under_eager(get_adapter, monkeypatch):
 def test_check_catches_a_missing_mrope_delta(get_adapter, monkeypatch):
     real = Engine.prefill
 
-    def no_delta(self, prompt, want_rows=False):
-        out = real(self, prompt, want_rows)
+    def no_delta(self, prompt, *args, **kw):
+        out = real(self, prompt, *args, **kw)
         self.rope_delta = 0
         return out
 
@@ -165,3 +165,37 @@ def test_check_catches_kv_compaction_that_skips_the_copy(get_adapter, monkeypatc
     real = compat.keep_rows
     monkeypatch.setattr(compat, "keep_rows", lambda cache, start, rows, n: real(cache, start, None, n))
     assert _any_mismatch(get_adapter, arch)
+
+
+# --- The static-cache path (preallocated KV, bucketed steps: what CUDA graphs capture) --------------------------
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_cache_path_equals_greedy(get_adapter, arch):
+    adapter = get_adapter(arch)
+    engine = Engine(adapter, static=True, buckets=(1, 8, 16, 32, 64))
+    for i, (nodes, p_right) in enumerate([(1, 0.0), (7, 0.5), (16, 0.9), (40, 0.6), (64, 0.95)]):
+        qi, seed = i % 2, 1 + i % 2
+        ref = reference(adapter, arch, qi, seed)
+        msgs, imgs = request(arch, QUESTIONS[qi], seed)
+        drafter = OracleDrafter(ref, p_right, nodes, seed=i, vocab=adapter.vocab_size)
+        assert generate(engine, adapter.build(msgs, imgs), drafter, NEW_TOKENS).tokens == ref, (nodes, p_right)
+    assert engine.capacity >= NEW_TOKENS  # one preallocated cache, reused across the requests
+    assert all(int(layer.cumulative_length) == engine.length for layer in engine.cache.layers)
+
+
+def test_check_catches_a_static_counter_left_unreset(get_adapter, monkeypatch):
+    adapter = get_adapter("llava")
+
+    def leaky(cache, start, rows, n):  # copies the rows but leaves the write counter past the tree
+        for layer in cache.layers:
+            if rows is not None:
+                layer.keys[:, :, start:start + rows.numel()] = layer.keys[:, :, start + rows]
+                layer.values[:, :, start:start + rows.numel()] = layer.values[:, :, start + rows]
+
+    ref = reference(adapter, "llava", 0, 1)
+    msgs, imgs = request("llava", QUESTIONS[0], 1)
+    monkeypatch.setattr(compat, "keep_rows", leaky)
+    with pytest.raises((AssertionError, RuntimeError, IndexError)):  # wrong tokens, or writes past the end
+        out = generate(Engine(adapter, static=True), adapter.build(msgs, imgs),
+                       OracleDrafter(ref, 0.6, 16, 0, adapter.vocab_size), NEW_TOKENS).tokens
+        assert out == ref
