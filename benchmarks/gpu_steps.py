@@ -86,10 +86,11 @@ def ar_ms_per_token(engine: Engine, prompt: Prompt, tokens: int) -> float:
 
 
 def hf_ms_per_token(adapter: Adapter, prompt: Prompt, tokens: int, static: bool) -> float:
-    kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-    if static:
-        kw["cache_implementation"] = "static"
-    run = lambda n: adapter.model.generate(prompt.input_ids, **{**kw, "max_new_tokens": n, "min_new_tokens": n})  # noqa: E731
+    kw = {"do_sample": False, "cache_implementation": "static"} if static else {"do_sample": False}
+
+    def run(n: int):
+        return adapter.model.generate(prompt.input_ids, max_new_tokens=n, min_new_tokens=n, **kw)
+
     one = timed(lambda: run(1), 2, adapter.device)  # prefill + first token
     full = timed(lambda: run(tokens), 2, adapter.device)
     return (full - one) / (tokens - 1)

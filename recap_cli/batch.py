@@ -6,8 +6,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .engine import Generation
-from .records import Request, as_parts, load_image, user_message
-from .session import Session
+from .records import Request, as_parts, first_line, load_image, user_message
+from .session import GenerateSession, Session
 from .tree import Source
 
 SOURCE_KEYS = {s.name: s.name.lower() for s in Source if s not in (Source.ROOT, Source.OTHER)}
@@ -45,12 +45,12 @@ class Totals:
         }
 
 
-def answer(session: Session, req: Request, model: str, max_new_tokens: int) -> dict:
+def answer(session: Session | GenerateSession, req: Request, model: str, max_new_tokens: int) -> dict:
     """The output record for one request; any per-request failure becomes its ``error``."""
     return answer_with_tokens(session, req, model, max_new_tokens)[0]
 
 
-def answer_with_tokens(session: Session, req: Request, model: str,
+def answer_with_tokens(session: Session | GenerateSession, req: Request, model: str,
                        max_new_tokens: int) -> tuple[dict, list[list[int]]]:
     """The record and each turn's token ids (empty on error), for callers that check exactness."""
     if req.error is not None:
@@ -59,21 +59,24 @@ def answer_with_tokens(session: Session, req: Request, model: str,
         return _answer(session, req, model, req.max_new_tokens or max_new_tokens)
     except ValueError as exc:  # bad image, image given to a text model, ...
         return error_record(req, session.method, model, str(exc)), []
+    except RuntimeError as exc:  # e.g. out of memory on one huge input: that record fails, the run goes on
+        return error_record(req, session.method, model, f"{type(exc).__name__}: {first_line(exc)}"), []
 
 
-def _answer(session: Session, req: Request, model: str, max_new_tokens: int) -> tuple[dict, list[list[int]]]:
+def _answer(session: Session | GenerateSession, req: Request, model: str,
+            max_new_tokens: int) -> tuple[dict, list[list[int]]]:
     adapter = session.adapter
     images = [load_image(req.image)] if req.image is not None else []
     conversation = list(req.history)
-    image_placed = not images
-    if images and any(m["role"] == "user" for m in conversation):  # the image belongs to the first user turn
-        first = next(i for i, m in enumerate(conversation) if m["role"] == "user")
-        conversation[first] = user_message(conversation[first]["content"], True)
-        image_placed = True
+    # The image belongs to the first user turn: a given one, else the first turn to answer.
+    first_user = next((i for i, m in enumerate(conversation) if m["role"] == "user"), None)
+    if images and first_user is not None:
+        conversation[first_user] = user_message(conversation[first_user]["content"], True)
+    image_pending = bool(images) and first_user is None
     answers, gens = [], []
     for turn in req.turns:
-        conversation.append(user_message(turn, not image_placed))
-        image_placed = True
+        conversation.append(user_message(turn, image_pending))
+        image_pending = False
         messages = [as_parts(m) for m in conversation] if adapter.supports_images else conversation
         gen = session.answer(messages, images, max_new_tokens)
         text = adapter.decode(gen.tokens)

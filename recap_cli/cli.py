@@ -79,7 +79,7 @@ def run(
             err.print(f"compiled the decoding steps in {seconds:.1f} s (once per run)")
         except Exception as exc:  # noqa: BLE001 - the fast path must never cost a user the run
             err.print(f"[yellow]warning:[/] compiling the decoding steps failed ({type(exc).__name__}: "
-                      f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); decoding eagerly")
+                      f"{records.first_line(exc)}); decoding eagerly")
             session = Session(adapter, method, **knobs)
     if memory is not None and memory.is_file():
         try:

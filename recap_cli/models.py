@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .adapters import Adapter, LlavaNextAdapter, QwenVLAdapter
+from .records import first_line
 
 REGISTRY: dict[str, str] = {
     "qwen2.5-vl-7b": "Qwen/Qwen2.5-VL-7B-Instruct",
@@ -68,7 +69,7 @@ def load(name: str, device: str = "auto", dtype: str = "auto", attn: str = "sdpa
     except ModelError:
         raise
     except (OSError, ValueError) as exc:
-        raise ModelError(f"could not load model '{name}' ({source}): {_first_line(exc)}") from exc
+        raise ModelError(f"could not load model '{name}' ({source}): {first_line(exc)}") from exc
 
 
 def _load(source: str, device: torch.device, dtype: torch.dtype, attn: str) -> Adapter:
@@ -97,9 +98,3 @@ def _load(source: str, device: torch.device, dtype: torch.dtype, attn: str) -> A
 
 def _is_vision_config(config) -> bool:
     return hasattr(config, "vision_config")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-

@@ -133,6 +133,12 @@ def as_parts(message: Message) -> Message:
     return message
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception as one line for a record or a message: its first line, else its type."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def dumps(record: dict) -> bytes:
     return orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS) + b"\n"
 

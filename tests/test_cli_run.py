@@ -170,3 +170,37 @@ def test_answers_are_identical_across_methods(model_dirs, workdir):
         assert all(x["method"] == method for x in out)
     assert answers["recap"] == answers["ar"] == answers["tr"] == answers["pld"]
     assert len(answers["ar"][2][1]) == 2  # both turns answered
+
+
+def test_image_goes_to_the_first_user_turn_and_later_turns_see_answers(get_adapter, workdir):
+    from recap_cli.batch import answer
+    from recap_cli.records import Request
+    from recap_cli.session import Session
+
+    session = Session(get_adapter("llava"), "ar")
+    seen = []
+    real = session.answer
+    session.answer = lambda messages, images, n: seen.append(messages) or real(messages, images, n)
+    history = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello!"}]
+    rec = answer(session, Request(1, "h", image=workdir / "a.png", history=history, turns=["Colour?", "Size?"]),
+                 "m", 5)
+    assert rec["error"] is None and len(rec["answers"]) == 2
+    first, second = seen
+    assert first[0]["content"][0] == {"type": "image"} and first[1]["content"] == [{"type": "text", "text": "Hello!"}]
+    assert not any(p.get("type") == "image" for m in first[1:] for p in m["content"])
+    assert second[3]["content"] == [{"type": "text", "text": rec["answers"][0]}]  # the first answer, seen
+
+
+def test_a_runtime_failure_fails_only_its_record(get_adapter):
+    from recap_cli.batch import answer
+    from recap_cli.records import Request
+    from recap_cli.session import Session
+
+    session = Session(get_adapter("text"), "ar")
+
+    def oom(*args):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 9 GiB")
+
+    session.answer = oom
+    rec = answer(session, Request(1, "x", turns=["hi"]), "m", 4)
+    assert rec["answer"] is None and rec["error"].startswith("RuntimeError: CUDA out of memory")
