@@ -69,18 +69,10 @@ def run(
         fail("--compile takes auto, on or off")
     try:
         adapter = load(model, device=device, dtype=dtype, attn=attn)
-        compiled = compile == "on" or (compile == "auto" and adapter.device.type == "cuda")
-        session = Session(adapter, method, static=compiled, compile=compiled, **knobs)
+        session = _session(adapter, method, knobs, compile == "on" or (compile == "auto" and
+                                                                    adapter.device.type == "cuda"))
     except (ModelError, ValueError) as exc:
         fail(str(exc))
-    if compiled:
-        try:
-            seconds = session.warm_up([records.as_parts(records.user_message("Hello.", False))], [])
-            err.print(f"compiled the decoding steps in {seconds:.1f} s (once per run)")
-        except Exception as exc:  # noqa: BLE001 - the fast path must never cost a user the run
-            err.print(f"[yellow]warning:[/] compiling the decoding steps failed ({type(exc).__name__}: "
-                      f"{records.first_line(exc)}); decoding eagerly")
-            session = Session(adapter, method, **knobs)
     if memory is not None and memory.is_file():
         try:
             session.load_memory(memory)
@@ -171,6 +163,22 @@ def compare(
         err.print(f"report written to {report_dir}")
     mismatched = any(s["mismatches"] for ms in summary.values() for s in ms.values())
     raise typer.Exit(EXIT_FAILED_RECORDS if mismatched else EXIT_OK)
+
+
+def _session(adapter, method: str, knobs: dict, compiled: bool) -> Session:
+    """The run's session; with ``compiled``, every step shape is compiled up front, and a failure to compile
+    falls back to eager decoding (the fast path must never cost a user the run)."""
+    if not compiled:
+        return Session(adapter, method, **knobs)
+    session = Session(adapter, method, static=True, compile=True, **knobs)
+    try:
+        seconds = session.warm_up([records.as_parts(records.user_message("Hello.", False))], [])
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        err.print(f"[yellow]warning:[/] compiling the decoding steps failed ({type(exc).__name__}: "
+                  f"{records.first_line(exc)}); decoding eagerly")
+        return Session(adapter, method, **knobs)
+    err.print(f"compiled the decoding steps in {seconds:.1f} s (once per run)")
+    return session
 
 
 def _open_inputs(inputs: str) -> tuple[IO[bytes], Path, int | None]:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import time
 import tempfile
+import time
 from pathlib import Path
 
 import torch

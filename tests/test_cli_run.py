@@ -204,3 +204,17 @@ def test_a_runtime_failure_fails_only_its_record(get_adapter):
     session.answer = oom
     rec = answer(session, Request(1, "x", turns=["hi"]), "m", 4)
     assert rec["answer"] is None and rec["error"].startswith("RuntimeError: CUDA out of memory")
+
+
+def test_a_failed_compile_falls_back_to_eager(model_dirs, workdir, monkeypatch):
+    from recap_cli.session import Session
+
+    def broken(self, messages, images):
+        raise RuntimeError("graph capture failed")
+
+    monkeypatch.setattr(Session, "warm_up", broken)
+    path = workdir / "compile.jsonl"
+    path.write_bytes(jsonl({"id": 1, "prompt": "Hello?"}))
+    r = invoke(["run", path, "--model", model_dirs["text"], "--compile", "on", "--max-new-tokens", 3])
+    assert r.exit_code == 0 and "decoding eagerly" in r.stderr
+    assert lines(r.stdout)[0]["new_tokens"] == 3
