@@ -65,7 +65,7 @@ def parse_method(spec: str) -> tuple[str, dict]:
     return name, knobs
 
 
-def make_session(adapter: Adapter, spec: str):
+def make_session(adapter: Adapter, spec: str) -> Session | GenerateSession:
     name, knobs = parse_method(spec)
     return GenerateSession(adapter, name) if name in HF_METHODS else Session(adapter, name, **knobs)
 
