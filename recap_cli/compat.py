@@ -43,10 +43,6 @@ def set_length(cache, length: int) -> None:
             layer.cumulative_length.fill_(length)
 
 
-def cache_length(cache: DynamicCache) -> int:
-    return cache.get_seq_length()
-
-
 def keep_rows(cache: DynamicCache, start: int, rows: torch.Tensor | None, new_length: int) -> None:
     """Make cache positions start.. hold the rows ``start + rows`` (in order), then cut the cache to new_length.
 
