@@ -72,3 +72,9 @@ class Verified:
     bonus: int  # the model's greedy token after the last accepted node
     argmax: list[int]  # the model's greedy token at every node
     rows: Rows
+
+    def accepted_last(self, n: int) -> list[int]:
+        """All n node indices, the accepted path last: memories written in this order keep, among rows for the
+        same key, the row of the path that was committed."""
+        accepted = set(self.path)
+        return [i for i in range(n) if i not in accepted] + self.path

@@ -10,7 +10,14 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from ..tree import Rows
+
 Row = tuple[tuple[int, ...], tuple[float, ...]]
+
+
+def row_tuples(rows: Rows) -> list[Row]:
+    """The verifier's rows in the form the memories store."""
+    return [(tuple(i), tuple(p)) for i, p in zip(rows.ids.tolist(), rows.probs.tolist())]
 
 
 class TokenTable:

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 from ..tree import Rows, Source, Tree, Verified
 from .base import Drafter
-from .memory import KeyedMemory, NgramIndex, Row, TokenTable
+from .memory import KeyedMemory, NgramIndex, Row, TokenTable, row_tuples
 
 FIXED_WEIGHTS = (0.70, 0.20, 0.10)
 # Rank weights for confidence mixing: chosen on SmolLM2-135M over the text prompts of sample_inputs/bench among
@@ -61,11 +61,7 @@ class RecapDrafter(Drafter):
             self._store_rows(rows, [tuple(prompt[max(0, i - 2): i + 1]) for i in rows.positions])
 
     def observe(self, tree: Tree, verified: Verified) -> None:
-        keys = self._node_keys(tree)
-        # Accepted nodes are written last so that, among rows for the same key, the committed path wins.
-        accepted = set(verified.path)
-        order = [i for i in range(len(tree)) if i not in accepted] + verified.path
-        self._store_rows(verified.rows, keys, order)
+        self._store_rows(verified.rows, self._node_keys(tree), verified.accepted_last(len(tree)))
 
     def _node_keys(self, tree: Tree) -> list[tuple[int, ...]]:
         """Each node's last three path tokens: its tree ancestors, then committed text (the context tail)."""
@@ -75,11 +71,10 @@ class RecapDrafter(Drafter):
         return keys
 
     def _store_rows(self, rows: Rows, keys: list[tuple[int, ...]], order: Iterable[int] | None = None) -> None:
-        ids, probs = rows.ids.tolist(), rows.probs.tolist()
+        row_of = row_tuples(rows)
         use = set(self.orders)
         for i in (range(len(keys)) if order is None else order):
-            key = keys[i]
-            row: Row = (tuple(ids[i]), tuple(probs[i]))
+            key, row = keys[i], row_of[i]
             if 1 in use:
                 self.order1.put(key[-1], row)
             if 2 in use and len(key) >= 2:

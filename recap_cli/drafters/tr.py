@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..tree import Rows, Source, Tree, Verified
 from .base import Drafter
-from .memory import TokenTable
+from .memory import TokenTable, row_tuples
 
 LEVEL_SIZES = (8, 21, 25, 15, 8, 3)
 RANK_PRIOR = (0.55, 0.15, 0.08, 0.05, 0.04, 0.03, 0.025, 0.02)
@@ -41,21 +41,18 @@ class TokenRecyclingDrafter(Drafter):
         self.banned = frozenset(banned)
         self.top_k = top_k
         self.wants_prefill_rows = prefill_rows
-        self._tail_token = 0
 
     def start(self, prompt: list[int], rows: Rows | None) -> None:
         if rows is not None:
             self._store(rows, [prompt[i] for i in rows.positions])
 
     def observe(self, tree: Tree, verified: Verified) -> None:
-        accepted = set(verified.path)
-        order = [i for i in range(len(tree)) if i not in accepted] + verified.path
-        self._store(verified.rows, [tree.tokens[i] for i in range(len(tree))], order)
+        self._store(verified.rows, tree.tokens, verified.accepted_last(len(tree)))
 
     def _store(self, rows: Rows, tokens: list[int], order=None) -> None:
-        ids, probs = rows.ids.tolist(), rows.probs.tolist()
+        row_of = row_tuples(rows)
         for i in (range(len(tokens)) if order is None else order):
-            self.table.put(tokens[i], (tuple(ids[i]), tuple(probs[i])))
+            self.table.put(tokens[i], row_of[i])
 
     def propose(self, context: list[int], room: int) -> Tree:
         """Fill the template breadth-first; a slot whose parent is missing or has no r-th successor is dropped."""
