@@ -1,9 +1,10 @@
 """Mean accepted tokens per step and drafting overhead of each method on a model with real weights.
 
-    python benchmarks/acceptance.py [--model DIR] [--inputs sample_inputs/bench/text_prompts.jsonl]
+    python benchmarks/acceptance.py [--model DIR] [--inputs sample_inputs/bench/text_prompts.jsonl ...]
+    python benchmarks/acceptance.py --model demo --inputs sample_inputs/bench/demo_*.jsonl --limit 24
 
-Defaults to SmolLM2-135M-Instruct (see benchmarks/smollm2.py). Every method runs as one session over all
-prompts (RECAP's order-1 memory and TR's matrix carry over, as in ``recap run``) and its tokens are checked
+Defaults to SmolLM2-135M-Instruct (see benchmarks/smollm2.py). Inputs are ``recap run`` request files (images
+and multi-turn conversations included). Every method runs as one session over all requests (RECAP's order-1 memory and TR's matrix carry over, as in ``recap run``) and its tokens are checked
 against ``ar``. Prints a table and writes JSON; acceptance is a property of the drafts, not of the clock.
 """
 
@@ -20,7 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from recap_cli.batch import answer_with_tokens  # noqa: E402
+from recap_cli.engine import Generation  # noqa: E402
 from recap_cli.models import load  # noqa: E402
+from recap_cli.records import Request, parse_line  # noqa: E402
 from recap_cli.session import Session  # noqa: E402
 
 VARIANTS = {
@@ -35,19 +39,46 @@ VARIANTS = {
 }
 
 
-def run(model: str, inputs: Path, variants: list[str], max_new_tokens: int, limit: int) -> dict:
+class Recorder:
+    """A session that keeps every turn's Generation, so the run path (``answer_with_tokens``) is reused as is."""
+
+    def __init__(self, session: Session):
+        self.session, self.adapter, self.method, self.gens = session, session.adapter, session.method, []
+
+    def answer(self, messages, images, max_new_tokens: int) -> Generation:
+        gen = self.session.answer(messages, images, max_new_tokens)
+        self.gens.append(gen)
+        return gen
+
+
+def read_requests(inputs: list[Path], limit: int) -> list[Request]:
+    """The first ``limit`` requests of each file; bad lines are an error here (benchmarks need clean inputs)."""
+    requests = []
+    for path in inputs:
+        lines = [raw for raw in path.read_bytes().splitlines() if raw.strip()][:limit]
+        requests += [parse_line(raw, i + 1, path.parent) for i, raw in enumerate(lines)]
+    bad = [r for r in requests if r.error]
+    if bad:
+        raise SystemExit(f"bad request: {bad[0].error}")
+    return requests
+
+
+def run(model: str, inputs: list[Path], variants: list[str], max_new_tokens: int, limit: int) -> dict:
     adapter = load(model, device="cpu", dtype="fp32")
-    records = [orjson.loads(line) for line in inputs.read_bytes().splitlines() if line.strip()][:limit]
-    messages = [[{"role": "user", "content": r["prompt"]}] for r in records]
+    requests = read_requests(inputs, limit)
     results, reference = {}, None
     for name in variants:
         method, knobs = VARIANTS[name]
-        session = Session(adapter, method, **knobs)
-        gens, t0 = [], time.perf_counter()
-        for m in messages:
-            gens.append(session.answer(m, [], max_new_tokens))
+        session = Recorder(Session(adapter, method, **knobs))
+        t0 = time.perf_counter()
+        tokens = []
+        for req in requests:
+            record, turns = answer_with_tokens(session, req, model, max_new_tokens)
+            if record["error"]:
+                raise SystemExit(f"{req.id}: {record['error']}")
+            tokens.append(turns)
         wall = time.perf_counter() - t0
-        tokens = [g.tokens for g in gens]
+        gens = session.gens
         reference = reference or tokens
         steps = sum(g.steps for g in gens)
         emitted = sum(len(g.tokens) - 1 for g in gens)  # the first token comes from prefill, not a step
@@ -65,17 +96,17 @@ def run(model: str, inputs: Path, variants: list[str], max_new_tokens: int, limi
         print(f"{name:15s} tok/step {r['tokens_per_step']:.3f}  nodes {r['nodes_per_step']:5.1f}  "
               f"draft {r['draft_ms_per_step']:.3f} ms  verify {r['verify_ms_per_step']:.1f} ms  "
               f"median {r['median_decode_tok_s']:.1f} tok/s  same-as-ar {r['matches_ar']}", flush=True)
-    return {"model": model, "inputs": str(inputs), "prompts": len(records), "max_new_tokens": max_new_tokens,
+    return {"model": model, "inputs": [str(p) for p in inputs], "requests": len(requests), "max_new_tokens": max_new_tokens,
             "threads": torch.get_num_threads(), "results": results}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-Instruct, converted)")
-    ap.add_argument("--inputs", type=Path, default=Path("sample_inputs/bench/text_prompts.jsonl"))
+    ap.add_argument("--inputs", type=Path, nargs="+", default=[Path("sample_inputs/bench/text_prompts.jsonl")])
     ap.add_argument("--methods", default=",".join(VARIANTS))
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--limit", type=int, default=12, help="number of prompts")
+    ap.add_argument("--limit", type=int, default=12, help="requests per input file")
     ap.add_argument("--json", type=Path, default=Path("runs/acceptance.json"))
     args = ap.parse_args()
     if args.model is None:

@@ -41,7 +41,7 @@ def models() -> None:
 @app.command()
 def run(
     inputs: str = typer.Argument(..., help="JSONL file of requests, or - for stdin"),
-    model: str = typer.Option("qwen2.5-vl-7b", "--model", "-m", help="short name, hub repo id or local directory"),
+    model: str = typer.Option("demo", "--model", "-m", help="short name, hub repo id or local directory"),
     method: str = typer.Option("recap", help=f"decoding method: {', '.join(METHODS)}"),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="write JSONL here instead of stdout"),
     max_new_tokens: int = typer.Option(200, min=1, help="default per request (a record may set its own)"),
@@ -109,7 +109,7 @@ def compare(
     baseline: str = typer.Option("ar", help="the method speedups are measured against"),
     methods: str = typer.Option("recap,tr,pld", help="comma-separated; recap variants as "
                                 "recap:mixing=fixed, recap:orders=1, recap:suffix=off, recap:budget=16"),
-    model: str = typer.Option("qwen2.5-vl-7b", "--model", "-m", help="short name, hub repo id or local directory"),
+    model: str = typer.Option("demo", "--model", "-m", help="short name, hub repo id or local directory"),
     max_new_tokens: int = typer.Option(200, min=1),
     warmup: int = typer.Option(1, min=0, help="inputs run untimed through every method first"),
     keep_memory: bool = typer.Option(False, help="keep drafter memory across datasets (default: clear it)"),

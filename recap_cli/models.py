@@ -13,7 +13,11 @@ import torch
 from .adapters import Adapter, LlavaNextAdapter, QwenVLAdapter
 from .records import first_line
 
+# The demo model ships inside the package (trained by recap_cli/demo/train.py on the synthetic world).
+DEMO_MODEL = Path(__file__).resolve().parent / "demo" / "model"
+
 REGISTRY: dict[str, str] = {
+    "demo": str(DEMO_MODEL),
     "qwen2.5-vl-7b": "Qwen/Qwen2.5-VL-7B-Instruct",
     "qwen2.5-vl-3b": "Qwen/Qwen2.5-VL-3B-Instruct",
     "qwen2.5-vl-32b": "Qwen/Qwen2.5-VL-32B-Instruct",
@@ -33,6 +37,8 @@ def resolve(name: str) -> str:
     """A local directory, a registry alias, or a hub repo id (owner/name) -> what from_pretrained takes."""
     if Path(name).expanduser().is_dir():
         return str(Path(name).expanduser())
+    if name == "demo" and not DEMO_MODEL.is_dir():
+        raise ModelError(f"the demo model is missing from this installation ({DEMO_MODEL}): reinstall recap")
     if name in REGISTRY:
         return REGISTRY[name]
     if name.count("/") == 1 and not Path(name).exists():

@@ -9,7 +9,11 @@ this image's context). A node's candidates mix the rows its keys find:
 with w_o a weight by the order's rank among the orders present (most specific first; 0.80/0.15/0.05 by
 default) and conf_o the row's top-1 probability (``mixing="confidence"``), or the public implementation's fixed
 weights 0.70/0.20/0.10 by rank and no confidence term (``mixing="fixed"``, the ablation). The tree grows
-best-first: a child's score is its parent's times its mixed probability. A suffix continuation (the tokens that
+best-first: a child's score is its parent's times its estimated chance of acceptance. A remembered probability
+is the model's confidence in an *earlier* context, so it overrates recycled tokens where contexts alias ("the
+sign reads" continues differently per image); with ``calibrate=True`` (the default) the chance is learned online
+from the verifier's verdicts per (candidate rank, probability bucket), starting from the probability itself.
+A suffix continuation (the tokens that
 followed the longest earlier match of the current suffix in prompt + output) is merged in as one extra path.
 """
 
@@ -36,7 +40,7 @@ class RecapDrafter(Drafter):
     def __init__(self, vocab_size: int, banned: Iterable[int] = (), orders: Iterable[int] = (1, 2, 3),
                  mixing: str = "confidence", weights: tuple[float, ...] = CONFIDENCE_WEIGHTS, suffix: bool = True,
                  suffix_len: int = 4, suffix_max_n: int = 8, budget: int = 64, depth: int = 8, width: int = 8,
-                 top_k: int = 8, cap: int = 1 << 16):
+                 top_k: int = 8, cap: int = 1 << 16, calibrate: bool = True):
         if mixing not in ("confidence", "fixed"):
             raise ValueError("mixing is 'confidence' or 'fixed'")
         self.orders = tuple(sorted(set(orders), reverse=True))  # most specific first
@@ -50,6 +54,8 @@ class RecapDrafter(Drafter):
         self.keyed = {2: KeyedMemory(cap), 3: KeyedMemory(cap)}
         self.index = NgramIndex(suffix_max_n, keep="latest", skip=self.banned)
         self._tail: tuple[int, ...] = ()
+        self.calibration = Calibration(self.width) if calibrate else None
+        self._placed: list[tuple[int, int, int]] = []  # (tree index, rank, probability bucket) of drafted nodes
 
     # --- memories -------------------------------------------------------------------------------------------
 
@@ -62,6 +68,8 @@ class RecapDrafter(Drafter):
 
     def observe(self, tree: Tree, verified: Verified) -> None:
         self._store_rows(verified.rows, self._node_keys(tree), verified.accepted_last(len(tree)))
+        if self.calibration is not None:
+            self.calibration.update(self._placed, tree, verified)
 
     def _node_keys(self, tree: Tree) -> list[tuple[int, ...]]:
         """Each node's last three path tokens: its tree ancestors, then committed text (the context tail)."""
@@ -87,6 +95,8 @@ class RecapDrafter(Drafter):
         for memory in self.keyed.values():
             memory.clear()
         self.index.reset()
+        if self.calibration is not None:
+            self.calibration.clear()
 
     # --- mixing ---------------------------------------------------------------------------------------------
 
@@ -137,24 +147,30 @@ class RecapDrafter(Drafter):
         max_depth = min(self.depth, room)
         nodes = [(context[-1], -1, Source.ROOT, 1.0)]  # token, parent, source, score
         keys, depths, cands = [self._tail], [0], [self.mix(self._tail) if max_depth > 0 else []]
+        chance = self.calibration.chance if self.calibration is not None else _raw_chance
         frontier: list[tuple[float, int, int]] = []  # (-score, parent, rank of the child in cands[parent])
         if cands[0]:
-            frontier.append((-cands[0][0][1], 0, 0))
+            frontier.append((-chance(0, cands[0][0][1]), 0, 0))
+        ranks = [(-1, -1)]
         while frontier and len(nodes) <= self.budget:
             neg, parent, rank = heapq.heappop(frontier)
-            token, _, order = cands[parent][rank]
+            token, prob, order = cands[parent][rank]
             if rank + 1 < len(cands[parent]):
-                heapq.heappush(frontier, (-nodes[parent][3] * cands[parent][rank + 1][1], parent, rank + 1))
+                nxt = -nodes[parent][3] * chance(rank + 1, cands[parent][rank + 1][1])
+                heapq.heappush(frontier, (nxt, parent, rank + 1))
             i = len(nodes)
             nodes.append((token, parent, ORDER_SOURCE[order], -neg))
+            ranks.append((rank, _bucket(prob)))
             keys.append((keys[parent] + (token,))[-3:])
             depths.append(depths[parent] + 1)
             cands.append(self.mix(keys[i]) if depths[i] < max_depth else [])
             if cands[i]:
-                heapq.heappush(frontier, (neg * cands[i][0][1], i, 0))
+                heapq.heappush(frontier, (neg * chance(0, cands[i][0][1]), i, 0))
         if self.suffix and max_depth > 0:
             self._merge_suffix(context, nodes, depths, max_depth)
-        return _layout(nodes)
+        tree, where = _layout(nodes)
+        self._placed = [(where[i], r, b) for i, (r, b) in enumerate(ranks) if r >= 0]
+        return tree
 
     def _merge_suffix(self, context: list[int], nodes: list, depths: list[int], max_depth: int) -> None:
         """Walk the continuation down from the root, reusing nodes that already hold its tokens."""
@@ -171,7 +187,7 @@ class RecapDrafter(Drafter):
             at = nxt
 
 
-def _layout(nodes: list[tuple[int, int, int, float]]) -> Tree:
+def _layout(nodes: list[tuple[int, int, int, float]]) -> tuple[Tree, dict[int, int]]:
     """Depth-first with the best child first, so the top-1 chain sits at indices 0..d: when it is the accepted
     path the KV compaction is only a cut."""
     kids: list[list[int]] = [[] for _ in nodes]
@@ -188,4 +204,41 @@ def _layout(nodes: list[tuple[int, int, int, float]]) -> Tree:
         tree.parents.append(new_index[parent])
         tree.sources.append(source)
         stack.extend(sorted(kids[i], key=lambda c: nodes[c][3]))
-    return tree
+    return tree, new_index
+
+
+BUCKETS = (0.5, 0.8, 0.95)  # remembered probability -> bucket 0..3
+
+
+def _bucket(p: float) -> int:
+    return sum(p >= b for b in BUCKETS)
+
+
+def _raw_chance(rank: int, p: float) -> float:
+    return p
+
+
+class Calibration:
+    """P(a drafted child is accepted | its parent was) per (rank among its siblings, probability bucket),
+    counted from the verifier's verdicts, with ``prior`` pseudo-observations at the remembered probability."""
+
+    def __init__(self, width: int, prior: float = 4.0):
+        self.width, self.prior = width, prior
+        self.clear()
+
+    def clear(self) -> None:
+        self.hits = [[0.0] * (len(BUCKETS) + 1) for _ in range(self.width)]
+        self.tries = [[0.0] * (len(BUCKETS) + 1) for _ in range(self.width)]
+
+    def chance(self, rank: int, p: float) -> float:
+        b = _bucket(p)
+        return (self.hits[rank][b] + self.prior * p) / (self.tries[rank][b] + self.prior)
+
+    def update(self, placed: list[tuple[int, int, int]], tree: Tree, verified: Verified) -> None:
+        """Only children of accepted nodes were put to the test: each passed iff it is its parent's argmax."""
+        accepted = set(verified.path)
+        for i, rank, b in placed:
+            parent = tree.parents[i]
+            if parent in accepted:
+                self.tries[rank][b] += 1
+                self.hits[rank][b] += verified.argmax[parent] == tree.tokens[i]
