@@ -56,6 +56,8 @@ def run(
     mixing: Optional[str] = typer.Option(None, help="recap: confidence or fixed"),
     orders: Optional[str] = typer.Option(None, help="recap: memory orders to use, e.g. 1,2,3"),
     suffix: Optional[bool] = typer.Option(None, "--suffix/--no-suffix", help="recap: suffix continuations"),
+    calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate",
+                                             help="recap: learn acceptance chances online (else raw probabilities)"),
     compile: str = typer.Option("auto", help="static KV cache + CUDA graphs: auto (on with CUDA), on or off"),
 ) -> None:
     """Answer every request of INPUTS, one JSON line out per line in, in order."""
@@ -64,7 +66,8 @@ def run(
     if resume and output is None:
         fail("--resume needs --output (the file to resume)")
     source, base, total = _open_inputs(inputs)
-    knobs = _recap_knobs(method, budget=budget, depth=depth, mixing=mixing, orders=orders, suffix=suffix)
+    knobs = _recap_knobs(method, budget=budget, depth=depth, mixing=mixing, orders=orders, suffix=suffix,
+                         calibrate=calibrate)
     if compile not in ("auto", "on", "off"):
         fail("--compile takes auto, on or off")
     try:

@@ -21,6 +21,7 @@ HF_METHODS = ("hf", "hf-pld")
 KNOB_PARSERS: dict[str, Callable[[str], object]] = {
     "mixing": str, "budget": int, "depth": int, "width": int, "top_k": int, "suffix_len": int,
     "suffix": lambda v: {"on": True, "off": False}[v],
+    "calibrate": lambda v: {"on": True, "off": False}[v],
     "orders": lambda v: tuple(int(c) for c in v),
 }
 

@@ -240,3 +240,22 @@ def test_make_drafter_rejects_unknown_methods_and_misplaced_knobs():
         make_drafter("magic", V)
     with pytest.raises(ValueError, match="recap only"):
         make_drafter("tr", V, budget=3)
+
+
+def test_calibration_learns_that_overconfident_memories_fail():
+    """Rank-0 drafts at p = 0.6 that the verifier keeps rejecting lose their estimate; the rank-1 ones it
+    accepts gain, so the next tree puts the rank-1 child's subtree ahead."""
+    d = _seeded_chain_drafter(budget=6, depth=4, suffix=False)
+    tree = d.propose([1, 2, 3], room=100)
+    first, second = d.calibration.chance(0, 0.6), d.calibration.chance(1, 0.2)
+    kids = [i for i in range(1, len(tree)) if tree.parents[i] == 0]
+    placed = {i: r for i, r, _ in d._placed}
+    runner_up = next(i for i in kids if placed[i] == 1)
+    for _ in range(20):  # the model's argmax at the root is always the rank-1 candidate
+        argmax = [tree.tokens[runner_up]] + [0] * (len(tree) - 1)
+        d.calibration.update(d._placed, tree, Verified(path=[0, runner_up], bonus=0, argmax=argmax,
+                                                        rows=rows_of(*[{0: 1.0}] * len(tree))))
+    assert d.calibration.chance(0, 0.6) < first / 2
+    assert d.calibration.chance(1, 0.2) > second
+    raw = _seeded_chain_drafter(budget=6, depth=4, suffix=False, calibrate=False)
+    assert raw.calibration is None and raw.propose([1, 2, 3], room=100).tokens == tree.tokens
