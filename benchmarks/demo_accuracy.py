@@ -67,7 +67,7 @@ def evaluate(model: str, scenes: int, max_new_tokens: int = 96) -> dict:
 
 
 def print_table(result: dict) -> None:
-    print(f"| question type | questions | exact match | goal |\n|---|---:|---:|---:|")
+    print("| question type | questions | exact match | goal |\n|---|---:|---:|---:|")
     for kind, row in result["exact_match"].items():
         goal = f"{GOALS[kind]:.0%}" if kind in GOALS else ""
         print(f"| {kind} | {row['questions']} | {row['accuracy']:.1%} | {goal} |")
