@@ -207,7 +207,8 @@ CAPTION_PROMPTS = ["Describe this image in detail.", "What is in this picture?"]
 
 def questions(scene: Scene, rng: random.Random) -> list[QA]:
     """Every question the scene supports (one wording each, picked by rng); callers sample from these."""
-    out = [QA("caption", CAPTION_PROMPTS[s], caption(scene, s)) for s in (rng.randrange(2),)]
+    style = rng.randrange(2)
+    out = [QA("caption", CAPTION_PROMPTS[style], caption(scene, style))]
     pick = rng.randrange
     if scene.kind == "shapes":
         out += _shape_questions(scene, rng)

@@ -13,8 +13,8 @@ best-first: a child's score is its parent's times its estimated chance of accept
 is the model's confidence in an *earlier* context, so it overrates recycled tokens where contexts alias ("the
 sign reads" continues differently per image); with ``calibrate=True`` (the default) the chance is learned online
 from the verifier's verdicts per (candidate rank, probability bucket), starting from the probability itself.
-A suffix continuation (the tokens that
-followed the longest earlier match of the current suffix in prompt + output) is merged in as one extra path.
+A suffix continuation (the tokens that followed the longest earlier match of the current suffix in prompt +
+output) is merged in as one extra path.
 """
 
 from __future__ import annotations
