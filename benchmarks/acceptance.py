@@ -4,8 +4,9 @@
     python benchmarks/acceptance.py --model demo --inputs sample_inputs/bench/demo_*.jsonl --limit 24
 
 Defaults to SmolLM2-135M-Instruct (see benchmarks/smollm2.py). Inputs are ``recap run`` request files (images
-and multi-turn conversations included). Every method runs as one session over all requests (RECAP's order-1 memory and TR's matrix carry over, as in ``recap run``) and its tokens are checked
-against ``ar``. Prints a table and writes JSON; acceptance is a property of the drafts, not of the clock.
+and multi-turn conversations included). Every method runs as one session over all requests (RECAP's order-1
+memory and TR's matrix carry over, as in ``recap run``) and its tokens are checked against ``ar``. Prints a
+table and writes JSON; acceptance is a property of the drafts, not of the clock.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def run(model: str, inputs: list[Path], variants: list[str], max_new_tokens: int
         print(f"{name:15s} tok/step {r['tokens_per_step']:.3f}  nodes {r['nodes_per_step']:5.1f}  "
               f"draft {r['draft_ms_per_step']:.3f} ms  verify {r['verify_ms_per_step']:.1f} ms  "
               f"median {r['median_decode_tok_s']:.1f} tok/s  same-as-ar {r['matches_ar']}", flush=True)
-    return {"model": model, "inputs": [str(p) for p in inputs], "requests": len(requests), "max_new_tokens": max_new_tokens,
-            "threads": torch.get_num_threads(), "results": results}
+    return {"model": model, "inputs": [str(p) for p in inputs], "requests": len(requests),
+            "max_new_tokens": max_new_tokens, "threads": torch.get_num_threads(), "results": results}
 
 
 def main() -> None:
