@@ -59,7 +59,7 @@ def test_drafters_are_exact_on_the_trained_model(demo, method):
     """Trained weights make confident, repetitive predictions: where drafts are long and mostly right."""
     requests = _requests(SAMPLES / "bench" / "demo_multiturn.jsonl")[:4]
     requests += _requests(SAMPLES / "bench" / "demo_caption.jsonl")[:4]
-    ar, other = Session(demo, "ar"), Session(demo, method, budget=16) if method == "recap" else Session(demo, method)
+    ar, other = Session(demo, "ar"), Session(demo, method)
     accepted = []
     for req in requests:
         ref_record, ref = answer_with_tokens(ar, req, "demo", 64)

@@ -249,8 +249,8 @@ def encode(tok, qas: list[world.QA]) -> tuple[list[int], list[tuple[int, int, st
     return ids, spans
 
 
-def make_batch(tok, rng: random.Random, size: int, turns: int, kinds: list[str] | None = None) -> Batch:
-    scenes = [world.sample_scene(rng, rng.choice(kinds) if kinds else None) for _ in range(size)]
+def make_batch(tok, rng: random.Random, size: int, turns: int) -> Batch:
+    scenes = [world.sample_scene(rng) for _ in range(size)]
     images = [world.render(s, rng) for s in scenes]
     rows = [encode(tok, world.conversation(s, rng, rng.randint(1, turns))) for s in scenes]
     width = max(len(ids) for ids, _ in rows)
