@@ -61,7 +61,7 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(specials: list[str], vocab_size: int = 400) -> Tokenizer:
+def build_tokenizer(specials: list[str], vocab_size: int = 400, corpus: list[str] | None = None) -> Tokenizer:
     """A byte-level BPE over a small corpus: encodes any text, with the model's special tokens kept whole."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -70,7 +70,7 @@ def build_tokenizer(specials: list[str], vocab_size: int = 400) -> Tokenizer:
         vocab_size=vocab_size, special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
-    tok.train_from_iterator(CORPUS * 4, trainer)
+    tok.train_from_iterator(CORPUS * 4 if corpus is None else corpus, trainer)
     return tok
 
 

@@ -81,3 +81,14 @@ def test_batches_are_reproducible_from_the_seed(tok):
     b = train.make_batch(tok, random.Random("0-7"), 4, 3)
     assert torch.equal(a.ids, b.ids) and torch.equal(a.pixels, b.pixels) and torch.equal(a.facts, b.facts)
     assert (a.labels[a.mask == 0] == -100).all()
+
+
+def test_training_tokenizer_is_the_shipped_one(tok):
+    """Retraining or resuming starts from the vocabulary the shipped checkpoint was trained with."""
+    import json
+
+    from recap_cli.models import DEMO_MODEL
+
+    shipped = json.loads((DEMO_MODEL / "tokenizer.json").read_text())["model"]
+    built = json.loads(tok.backend_tokenizer.to_str())["model"]
+    assert built["vocab"] == shipped["vocab"] and built["merges"] == shipped["merges"]

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import tiny_models
 from . import world
 
 PATCH, MERGE, TEMPORAL = 14, 2, 2
@@ -30,8 +31,7 @@ GRID = world.SIZE // PATCH  # 8 x 8 patches -> 4 x 4 = 16 image tokens
 IMAGE_TOKENS = (GRID // MERGE) ** 2
 MEAN = (0.48145466, 0.4578275, 0.40821073)  # the CLIP normalisation Qwen2-VL's image processor uses
 STD = (0.26862954, 0.26130258, 0.27577711)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-            "<|image_pad|>", "<|video_pad|>"]
+SPECIALS = tiny_models.QWEN_SPECIALS
 # Qwen2-VL's chat format without the default system prompt (short prompts suit a model this small).
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -49,7 +49,6 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer(vocab_size: int = 640):
     """Byte-level BPE trained on the world's own text: every word of it is one or two tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     rng = random.Random(0)
@@ -57,12 +56,7 @@ def build_tokenizer(vocab_size: int = 640):
     for _ in range(3000):
         scene = world.sample_scene(rng)
         corpus += [f"{qa.question} {qa.answer}" for qa in world.questions(scene, rng)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
+    tok = tiny_models.build_tokenizer(SPECIALS, vocab_size, corpus)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    chat_template=CHAT_TEMPLATE)
 
