@@ -35,61 +35,54 @@ def _save(scene: world.Scene, rng: random.Random, path: Path) -> None:
     world.render(scene, rng).save(path, optimize=True)
 
 
+def _entry(rid: str, image: str, qas: list[world.QA], dataset: str | None = None) -> tuple[dict, dict]:
+    """A request asking ``qas`` in order about one image, and its truth line. A caption asked with recap's
+    default prompt is written without a question, as a user would."""
+    row = {"id": rid} | ({"dataset": dataset} if dataset else {}) | {"image": image}
+    if len(qas) > 1:
+        row["messages"] = [{"role": "user", "content": qa.question} for qa in qas]
+    elif dataset or qas[0].question != world.CAPTION_PROMPTS[0]:
+        row["question"] = qas[0].question
+    return row, {"id": rid, "answers": [qa.answer for qa in qas], "kinds": [qa.kind for qa in qas]}
+
+
 def quick_start(root: Path, n: int = 18) -> None:
     """~20 images and one request each: captions, questions of every kind, one multi-turn conversation."""
     rng = random.Random("samples")
     base = root / "sample_inputs"
-    requests, truth = [], []
+    entries = []
     scenes = [(f"{world.KINDS[i % 3]}-{i // 3 + 1:02d}", world.sample_scene(rng, world.KINDS[i % 3]))
               for i in range(n)] + list(HAND_SET.items())
     for i, (name, scene) in enumerate(scenes):
         _save(scene, rng, base / "images" / f"{name}.png")
         qas = world.questions(scene, rng)
-        image = f"images/{name}.png"
         if i == 1:  # the multi-turn conversation
-            turns = qas[:3]
-            requests.append({"id": name, "image": image,
-                             "messages": [{"role": "user", "content": qa.question} for qa in turns]})
-            truth.append({"id": name, "answers": [qa.answer for qa in turns], "kinds": [qa.kind for qa in turns]})
-            continue
-        qa = qas[0] if i % 4 == 0 else rng.choice(qas[1:])  # captions without a question use recap's default
-        row = {"id": name, "image": image}
-        if qa.kind != "caption" or qa.question != world.CAPTION_PROMPTS[0]:
-            row["question"] = qa.question
-        requests.append(row)
-        truth.append({"id": name, "answers": [qa.answer], "kinds": [qa.kind]})
-    _write_jsonl(base / "requests.jsonl", requests)
-    _write_jsonl(base / "requests.truth.jsonl", truth)
+            asked = qas[:3]
+        else:
+            asked = [qas[0] if i % 4 == 0 else rng.choice(qas[1:])]
+        entries.append(_entry(name, f"images/{name}.png", asked))
+    _write_jsonl(base / "requests.jsonl", [row for row, _ in entries])
+    _write_jsonl(base / "requests.truth.jsonl", [truth for _, truth in entries])
 
 
 def bench_sets(root: Path, n: int = 24) -> None:
     """sample_inputs/bench: demo-world captioning, VQA and multi-turn sets (one ``dataset`` each)."""
     rng = random.Random("bench")
     base = root / "sample_inputs" / "bench"
-    sets: dict[str, tuple[list[dict], list[dict]]] = {k: ([], []) for k in ("demo_caption", "demo_vqa",
-                                                                               "demo_multiturn")}
+    sets: dict[str, list[tuple[dict, dict]]] = {"demo_caption": [], "demo_vqa": [], "demo_multiturn": []}
     for i in range(n):
         scene = world.sample_scene(rng, world.KINDS[i % 3])
         name = f"demo-{i + 1:02d}"
         _save(scene, rng, base / "images" / f"{name}.png")
         qas = world.questions(scene, rng)
         image = f"images/{name}.png"
-        cap = qas[0]
-        sets["demo_caption"][0].append({"id": f"cap-{name}", "dataset": "demo_caption", "image": image,
-                                        "question": cap.question})
-        sets["demo_caption"][1].append({"id": f"cap-{name}", "answers": [cap.answer], "kinds": ["caption"]})
-        qa = rng.choice(qas[1:])
-        sets["demo_vqa"][0].append({"id": f"vqa-{name}", "dataset": "demo_vqa", "image": image,
-                                    "question": qa.question})
-        sets["demo_vqa"][1].append({"id": f"vqa-{name}", "answers": [qa.answer], "kinds": [qa.kind]})
+        sets["demo_caption"].append(_entry(f"cap-{name}", image, qas[:1], "demo_caption"))
+        sets["demo_vqa"].append(_entry(f"vqa-{name}", image, [rng.choice(qas[1:])], "demo_vqa"))
         turns = rng.sample(qas, min(3, len(qas)))
-        sets["demo_multiturn"][0].append({"id": f"chat-{name}", "dataset": "demo_multiturn", "image": image,
-                                          "messages": [{"role": "user", "content": t.question} for t in turns]})
-        sets["demo_multiturn"][1].append({"id": f"chat-{name}", "answers": [t.answer for t in turns],
-                                          "kinds": [t.kind for t in turns]})
-    for name, (rows, truth) in sets.items():
-        _write_jsonl(base / f"{name}.jsonl", rows)
-        _write_jsonl(base / f"{name}.truth.jsonl", truth)
+        sets["demo_multiturn"].append(_entry(f"chat-{name}", image, turns, "demo_multiturn"))
+    for name, entries in sets.items():
+        _write_jsonl(base / f"{name}.jsonl", [row for row, _ in entries])
+        _write_jsonl(base / f"{name}.truth.jsonl", [truth for _, truth in entries])
 
 
 def main() -> None:
