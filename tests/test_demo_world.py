@@ -61,6 +61,18 @@ def test_answers_follow_the_scene():
                    "middle right. A green square is at the bottom right.")
 
 
+def test_question_mix_weights_the_draw_and_rejects_unknown_kinds():
+    import argparse
+
+    scene = world.Scene("shapes", things=[world.Thing("circle", "red", 0), world.Thing("square", "green", 8)])
+    first = [world.conversation(scene, random.Random(seed), 1, {"position": 1e6})[0].kind for seed in range(30)]
+    plain = [world.conversation(scene, random.Random(seed), 1)[0].kind for seed in range(30)]
+    assert first == ["position"] * 30 and plain.count("position") < 15
+    with pytest.raises(argparse.ArgumentTypeError):
+        train.mix_parser(world.QUESTION_KINDS)("positon=3")
+    assert train.mix_parser(world.KINDS)("shapes=3") == {"shapes": 3.0}
+
+
 def test_chart_and_sign_facts():
     chart = world.Scene("chart", bars=[3, 8, 1], bar_colour="orange")
     assert "Bar B is the tallest and bar C is the shortest." in world.caption(chart, 1)

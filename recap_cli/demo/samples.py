@@ -1,6 +1,7 @@
 """Write the committed demo inputs: ``sample_inputs/`` (quick start) and the demo-world benchmark sets.
 
     python -m recap_cli.demo.samples [--root .]
+    python -m recap_cli.demo.samples --bench-to runs/demo-bench-96 --scenes 96 --seed drafts  # a larger set
 
 Images come from seed streams that training never draws from (training uses "<seed>-<step>"). Every request
 has its true answer in a sibling ``*.truth.jsonl`` (id -> answers), which the accuracy script and tests read.
@@ -65,10 +66,9 @@ def quick_start(root: Path, n: int = 18) -> None:
     _write_jsonl(base / "requests.truth.jsonl", [truth for _, truth in entries])
 
 
-def bench_sets(root: Path, n: int = 24) -> None:
-    """sample_inputs/bench: demo-world captioning, VQA and multi-turn sets (one ``dataset`` each)."""
-    rng = random.Random("bench")
-    base = root / "sample_inputs" / "bench"
+def bench_sets(base: Path, n: int = 24, seed: str = "bench") -> None:
+    """Demo-world captioning, VQA and multi-turn sets (one ``dataset`` each), n images, in ``base``."""
+    rng = random.Random(seed)
     sets: dict[str, list[tuple[dict, dict]]] = {"demo_caption": [], "demo_vqa": [], "demo_multiturn": []}
     for i in range(n):
         scene = world.sample_scene(rng, world.KINDS[i % 3])
@@ -88,9 +88,15 @@ def bench_sets(root: Path, n: int = 24) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description="write the demo sample inputs and benchmark sets")
     p.add_argument("--root", type=Path, default=Path("."))
+    p.add_argument("--bench-to", type=Path, help="only write benchmark sets, to this directory")
+    p.add_argument("--scenes", type=int, default=24, help="images in those sets")
+    p.add_argument("--seed", default="heldout-drafts", help="their seed stream (the committed sets use 'bench')")
     args = p.parse_args()
+    if args.bench_to:
+        bench_sets(args.bench_to, args.scenes, args.seed)
+        return
     quick_start(args.root)
-    bench_sets(args.root)
+    bench_sets(args.root / "sample_inputs" / "bench")
 
 
 if __name__ == "__main__":

@@ -243,10 +243,13 @@ def encode(tok, qas: list[world.QA]) -> tuple[list[int], list[tuple[int, int, st
     return ids, spans
 
 
-def make_batch(tok, rng: random.Random, size: int, turns: int) -> Batch:
-    scenes = [world.sample_scene(rng) for _ in range(size)]
+def make_batch(tok, rng: random.Random, size: int, turns: int, scene_mix: dict[str, float] | None = None,
+               question_mix: dict[str, float] | None = None) -> Batch:
+    """The mixes weight scene kinds and question kinds (1 where not named); None draws uniformly."""
+    kinds = [scene_mix.get(k, 1.0) for k in world.KINDS] if scene_mix else None
+    scenes = [world.sample_scene(rng, rng.choices(world.KINDS, kinds)[0] if kinds else None) for _ in range(size)]
     images = [world.render(s, rng) for s in scenes]
-    rows = [encode(tok, world.conversation(s, rng, rng.randint(1, turns))) for s in scenes]
+    rows = [encode(tok, world.conversation(s, rng, rng.randint(1, turns), question_mix)) for s in scenes]
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((size, width), tok.pad_token_id)
     labels = torch.full((size, width), -100)
@@ -368,9 +371,10 @@ def restore(args):
     heads = FactHeads(model.config.text_config.hidden_size)
     ckpt = Path(args.out) / "checkpoint.pt"
     state = torch.load(ckpt, weights_only=False) if ckpt.exists() else None
-    if state:
-        model.load_state_dict(state["model"])
-        heads.load_state_dict(state["heads"])
+    start = state or (torch.load(args.init, weights_only=False) if args.init else None)
+    if start:  # a run resumes from its own checkpoint; a new run may start from another run's weights
+        model.load_state_dict(start["model"])
+        heads.load_state_dict(start["heads"])
     return tok, model, heads, state
 
 
@@ -392,9 +396,10 @@ def train(args) -> Path:
         if name != stage:
             stage, opt = name, make_optimizer(model, heads, name, args)
         for g in opt.param_groups:
-            g["lr"] = lr_at(local, length, g["peak"])
+            g["lr"] = lr_at(local, length, g["peak"], decay_from=args.decay_from)
         rng = random.Random(f"{args.seed}-{step}")
-        batch = make_batch(tok, rng, args.batch if stage == "joint" else args.vision_batch, args.turns)
+        batch = make_batch(tok, rng, args.batch if stage == "joint" else args.vision_batch, args.turns,
+                           args.scene_mix, args.question_mix)
         parts = losses(model, heads, batch, stage)
         loss = parts["facts"] if stage == "vision" else parts["lm"] + args.fact_weight * parts["facts"]
         opt.zero_grad(set_to_none=True)
@@ -417,6 +422,19 @@ def train(args) -> Path:
     return out / "model"
 
 
+def mix_parser(known: list[str]):
+    """``name=weight,...`` over the known kinds (argparse reports the ArgumentTypeError as a usage error)."""
+    def parse(text: str) -> dict[str, float]:
+        mix = {}
+        for part in text.split(","):
+            name, _, weight = part.partition("=")
+            if name not in known:
+                raise argparse.ArgumentTypeError(f"unknown kind {name!r}; known: {', '.join(known)}")
+            mix[name] = float(weight)
+        return mix
+    return parse
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/demo-train")
@@ -430,6 +448,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vision-lr", type=float, default=2e-3)
     p.add_argument("--joint-vision-lr", type=float, default=3e-4)
     p.add_argument("--fact-weight", type=float, default=0.1)
+    p.add_argument("--decay-from", type=float, default=0.75, help="fraction of a stage before the lr decays")
+    p.add_argument("--scene-mix", type=mix_parser(world.KINDS), help="weights of scene kinds, e.g. shapes=2")
+    p.add_argument("--question-mix", type=mix_parser(world.QUESTION_KINDS), help="weights, e.g. position=4,place=2")
+    p.add_argument("--init", type=Path, help="start a new run from the weights in this checkpoint.pt")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=100)

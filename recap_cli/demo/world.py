@@ -29,6 +29,7 @@ NUMBERS = [str(n) for n in range(10, 100)]
 LETTERS = "ABCD"
 COUNT_WORDS = ["no", "one", "two", "three", "four", "five"]
 KINDS = ["shapes", "sign", "chart"]
+QUESTION_KINDS = ["caption", "colour", "count", "position", "place", "sign", "chart"]
 
 
 @dataclass
@@ -62,7 +63,7 @@ class Scene:
 
 @dataclass
 class QA:
-    kind: str  # colour, count, position, sign, chart, caption
+    kind: str  # one of QUESTION_KINDS
     question: str
     answer: str
 
@@ -262,8 +263,14 @@ def _shape_questions(scene: Scene, rng: random.Random) -> list[QA]:
     return out
 
 
-def conversation(scene: Scene, rng: random.Random, turns: int) -> list[QA]:
-    """A few distinct questions about one image, in random order (the first turn carries the image)."""
+def conversation(scene: Scene, rng: random.Random, turns: int, weights: dict[str, float] | None = None) -> list[QA]:
+    """A few distinct questions about one image, in random order (the first turn carries the image).
+
+    ``weights`` per question kind favour some kinds: an ordering by ``u ** (1 / w)`` with uniform u is a weighted
+    draw without replacement (Efraimidis and Spirakis)."""
     qas = questions(scene, rng)
-    rng.shuffle(qas)
+    if weights:
+        qas.sort(key=lambda qa: -rng.random() ** (1 / weights.get(qa.kind, 1.0)))
+    else:
+        rng.shuffle(qas)
     return qas[:turns]
