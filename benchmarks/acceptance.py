@@ -37,6 +37,9 @@ VARIANTS = {
     "recap-orders1": ("recap", {"budget": 64, "orders": (1,)}),
     "recap-fixed": ("recap", {"budget": 64, "mixing": "fixed"}),
     "recap-nosuffix": ("recap", {"budget": 64, "suffix": False}),
+    "recap-raw": ("recap", {"budget": 64, "calibrate": False}),
+    "recap-80": ("recap", {"budget": 80}),
+    "recap-80-orders1": ("recap", {"budget": 80, "orders": (1,)}),
 }
 
 

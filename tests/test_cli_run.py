@@ -162,13 +162,15 @@ def test_answers_are_identical_across_methods(model_dirs, workdir):
                                                         {"role": "user", "content": "And its colour?"}]}
     path.write_bytes(jsonl(*GOOD[:2], multi))
     answers = {}
-    for method in ("ar", "recap", "tr", "pld"):
-        r = invoke(["run", path, "--model", model_dirs["llava"], "--method", method, "--max-new-tokens", 16])
+    runs = {m: ["--method", m] for m in ("ar", "recap", "tr", "pld")}
+    runs["recap-ablated"] = ["--method", "recap", "--no-calibrate", "--mixing", "fixed"]
+    for name, flags in runs.items():
+        r = invoke(["run", path, "--model", model_dirs["llava"], *flags, "--max-new-tokens", 16])
         assert r.exit_code == 0, r.stderr
         out = lines(r.stdout)
-        answers[method] = [(x["answer"], x.get("answers")) for x in out]
-        assert all(x["method"] == method for x in out)
-    assert answers["recap"] == answers["ar"] == answers["tr"] == answers["pld"]
+        answers[name] = [(x["answer"], x.get("answers")) for x in out]
+        assert all(x["method"] == flags[1] for x in out)
+    assert answers["recap"] == answers["ar"] == answers["tr"] == answers["pld"] == answers["recap-ablated"]
     assert len(answers["ar"][2][1]) == 2  # both turns answered
 
 

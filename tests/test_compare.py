@@ -53,6 +53,7 @@ def test_errors_are_counted_and_left_out_of_ratios():
 def test_method_specs():
     assert parse_method("recap:mixing=fixed:orders=12:suffix=off:budget=16") == (
         "recap", {"mixing": "fixed", "orders": (1, 2), "suffix": False, "budget": 16})
+    assert parse_method("recap:calibrate=off") == ("recap", {"calibrate": False})
     assert parse_method("hf-pld") == ("hf-pld", {})
     for bad in ("warp", "recap:speed=9", "tr:budget=3", "recap:suffix=maybe"):
         with pytest.raises(ValueError):

@@ -12,7 +12,7 @@ QUESTIONS = ["What colour is the square?", "Describe the picture in one sentence
              "Summarise the passage: the quick brown fox jumps over the lazy dog."]
 VARIANTS = [("recap", {}), ("recap", {"mixing": "fixed"}), ("recap", {"orders": (1,)}),
             ("recap", {"suffix": False, "budget": 16, "depth": 4}), ("recap", {"top_k": 4, "budget": 64}),
-            ("tr", {}), ("pld", {})]
+            ("recap", {"calibrate": False}), ("tr", {}), ("pld", {})]
 
 
 @pytest.mark.parametrize("arch", ["qwen", "llava", "text"])
