@@ -70,6 +70,8 @@ def test_question_mix_weights_the_draw_and_rejects_unknown_kinds():
     assert first == ["position"] * 30 and plain.count("position") < 15
     with pytest.raises(argparse.ArgumentTypeError):
         train.mix_parser(world.QUESTION_KINDS)("positon=3")
+    with pytest.raises(argparse.ArgumentTypeError):
+        train.mix_parser(world.QUESTION_KINDS)("position=0")
     assert train.mix_parser(world.KINDS)("shapes=3") == {"shapes": 3.0}
 
 

@@ -1,7 +1,7 @@
 """Write the committed demo inputs: ``sample_inputs/`` (quick start) and the demo-world benchmark sets.
 
     python -m recap_cli.demo.samples [--root .]
-    python -m recap_cli.demo.samples --bench-to runs/demo-bench-96 --scenes 96 --seed drafts  # a larger set
+    python -m recap_cli.demo.samples --bench-to runs/demo-bench-96 --scenes 96  # a larger, held-out set
 
 Images come from seed streams that training never draws from (training uses "<seed>-<step>"). Every request
 has its true answer in a sibling ``*.truth.jsonl`` (id -> answers), which the accuracy script and tests read.

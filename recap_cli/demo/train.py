@@ -431,6 +431,8 @@ def mix_parser(known: list[str]):
             if name not in known:
                 raise argparse.ArgumentTypeError(f"unknown kind {name!r}; known: {', '.join(known)}")
             mix[name] = float(weight)
+            if not mix[name] > 0:
+                raise argparse.ArgumentTypeError(f"the weight of {name} must be positive")
         return mix
     return parse
 
