@@ -18,10 +18,15 @@ from .records import Request
 from .session import GenerateSession, Session
 
 HF_METHODS = ("hf", "hf-pld")
+
+
+def _on_off(value: str) -> bool:
+    return {"on": True, "off": False}[value]
+
+
 KNOB_PARSERS: dict[str, Callable[[str], object]] = {
     "mixing": str, "budget": int, "depth": int, "width": int, "top_k": int, "suffix_len": int,
-    "suffix": lambda v: {"on": True, "off": False}[v],
-    "calibrate": lambda v: {"on": True, "off": False}[v],
+    "suffix": _on_off, "calibrate": _on_off,
     "orders": lambda v: tuple(int(c) for c in v),
 }
 
