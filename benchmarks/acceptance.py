@@ -40,6 +40,9 @@ VARIANTS = {
     "recap-raw": ("recap", {"budget": 64, "calibrate": False}),
     "recap-80": ("recap", {"budget": 80}),
     "recap-80-orders1": ("recap", {"budget": 80, "orders": (1,)}),
+    "recap-auto": ("recap", {}),  # sized by this machine's measured step costs: tokens/step depends on them
+    "tr-auto": ("tr", {"budget": "auto"}),
+    "pld-10": ("pld", {"budget": 10}),
 }
 
 

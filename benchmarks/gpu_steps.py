@@ -140,11 +140,15 @@ def main() -> None:
         row: dict = {"prefix": prefix}
         eager = Engine(adapter)
         row["eager_step_ms"] = step_costs(eager, prompt, sizes, args.reps)
+        eager.measure_costs(prompt)  # what recap's cost model measures at start-up, for comparison
+        row["eager_cost_model_ms"] = dict(zip(eager.cost.sizes, [1000 * s for s in eager.cost.seconds]))
         row["ar_eager_ms_per_token"] = ar_ms_per_token(eager, prompt, args.tokens)
         if args.compile:
             compiled = Engine(adapter, static=True, compile=True, min_capacity=prefix + 512)
             row["compile_warmup_s"] = compiled.warm_up(prompt)
             row["compiled_step_ms"] = step_costs(compiled, prompt, sizes, args.reps)
+            compiled.measure_costs(prompt)
+            row["compiled_cost_model_ms"] = dict(zip(compiled.cost.sizes, [1000 * s for s in compiled.cost.seconds]))
             row["ar_compiled_ms_per_token"] = ar_ms_per_token(compiled, prompt, args.tokens)
         row["hf_generate_ms_per_token"] = hf_ms_per_token(adapter, prompt, args.tokens, static=False)
         if args.compile and device.type == "cuda":
@@ -166,6 +170,9 @@ def print_row(shape: str, row: dict) -> None:
     for size, ms in row["eager_step_ms"].items():
         compiled = row.get("compiled_step_ms", {}).get(size)
         print(f"{size:>5} {ms:>10.2f} {'-' if compiled is None else f'{compiled:.2f}':>12}")
+    for key in ("eager_cost_model_ms", "compiled_cost_model_ms"):
+        if key in row:
+            print(f"{key}: " + ", ".join(f"{n}: {ms:.2f}" for n, ms in row[key].items()))
     for key in ("ar_eager_ms_per_token", "ar_compiled_ms_per_token", "hf_generate_ms_per_token",
                 "hf_static_compiled_ms_per_token", "recap_draft_ms_per_step_64", "compile_warmup_s"):
         if key in row:

@@ -103,6 +103,7 @@ def result_record(req: Request, method: str, model: str, answer: str, gens: list
         "steps": steps, "turns": len(gens),
         # Tokens per verification step, the first token of each turn (from prefill) left out.
         "mean_accepted": round((tokens - len(gens)) / steps, 4) if steps else 0.0,
+        "mean_nodes": round(sum(g.tree_nodes for g in gens) / steps, 4) if steps else 0.0,  # root included
         "accepted_hist": {int(k): v for k, v in sorted(hist.items())},
         "tokens_by_source": {SOURCE_KEYS[k]: v for k, v in sources.items() if k in SOURCE_KEYS},
         "draft_ms": round(1000 * sum(g.draft_s for g in gens), 3),

@@ -51,7 +51,8 @@ def run(
     memory: Optional[Path] = typer.Option(None, help="load the persistent draft memory from here; save it at the end"),
     resume: bool = typer.Option(False, help="skip ids already in --output and append"),
     summary: Optional[Path] = typer.Option(None, help="also write the end-of-run summary here as JSON"),
-    budget: Optional[int] = typer.Option(None, min=0, help="recap: draft nodes per step"),
+    budget: Optional[str] = typer.Option(None, help="draft nodes per step: auto (sized by measured step cost, "
+                                         "the default for recap and pld), or a number; tr: auto or its template"),
     depth: Optional[int] = typer.Option(None, min=1, help="recap: maximum draft depth"),
     mixing: Optional[str] = typer.Option(None, help="recap: confidence or fixed"),
     orders: Optional[str] = typer.Option(None, help="recap: memory orders to use, e.g. 1,2,3"),
@@ -66,8 +67,9 @@ def run(
     if resume and output is None:
         fail("--resume needs --output (the file to resume)")
     source, base, total = _open_inputs(inputs)
-    knobs = _recap_knobs(method, budget=budget, depth=depth, mixing=mixing, orders=orders, suffix=suffix,
-                         calibrate=calibrate)
+    knobs = _recap_knobs(method, depth=depth, mixing=mixing, orders=orders, suffix=suffix, calibrate=calibrate)
+    if budget is not None:
+        knobs["budget"] = _budget(method, budget)
     if compile not in ("auto", "on", "off"):
         fail("--compile takes auto, on or off")
     try:
@@ -111,7 +113,8 @@ def compare(
     inputs: list[Path] = typer.Argument(..., help="JSONL files; each is a dataset unless records name one"),
     baseline: str = typer.Option("ar", help="the method speedups are measured against"),
     methods: str = typer.Option("recap,tr,pld", help="comma-separated; recap variants as "
-                                "recap:mixing=fixed, recap:orders=1, recap:suffix=off, recap:budget=16"),
+                                "recap:mixing=fixed, recap:orders=1, recap:suffix=off, recap:budget=16, "
+                                "tr:budget=auto, pld:budget=10"),
     model: str = typer.Option("demo", "--model", "-m", help="short name, hub repo id or local directory"),
     max_new_tokens: int = typer.Option(200, min=1),
     warmup: int = typer.Option(1, min=0, help="inputs run untimed through every method first"),
@@ -213,6 +216,13 @@ def _recap_knobs(method: str, **given) -> dict:
         except ValueError:
             fail("--orders takes a comma-separated subset of 1,2,3")
     return knobs
+
+
+def _budget(method: str, value: str) -> int | str:
+    try:
+        return comparison.parse_budget(method, value)
+    except ValueError as exc:
+        fail(f"--budget: {exc}")
 
 
 def _write(sink: IO[bytes], record: dict) -> None:

@@ -25,7 +25,7 @@ def _on_off(value: str) -> bool:
 
 
 KNOB_PARSERS: dict[str, Callable[[str], object]] = {
-    "mixing": str, "budget": int, "depth": int, "width": int, "top_k": int, "suffix_len": int,
+    "mixing": str, "budget": lambda v: v if v == "auto" else int(v), "depth": int, "width": int, "top_k": int, "suffix_len": int,
     "suffix": _on_off, "calibrate": _on_off,
     "orders": lambda v: tuple(int(c) for c in v),
 }
@@ -41,6 +41,7 @@ class Measurement:
     new_tokens: int = 0
     seconds: float = 0.0  # prefill + decoding
     steps: int = 0
+    nodes: int = 0  # tokens verified over all steps (tree nodes, root included)
     emitted: int = 0  # tokens that came out of verification steps (each turn's first token is prefill's)
     draft_s: float = 0.0
     decode_s: float = 0.0
@@ -66,9 +67,25 @@ def parse_method(spec: str) -> tuple[str, dict]:
             knobs[key] = KNOB_PARSERS[key](value)
         except (KeyError, ValueError) as exc:
             raise ValueError(f"bad value in '{part}' of '{spec}'") from exc
-    if knobs and name != "recap":
-        raise ValueError(f"'{spec}': only recap has variants")
+    if knobs and name != "recap" and (set(knobs) != {"budget"} or name not in ("tr", "pld")):
+        raise ValueError(f"'{spec}': only recap has variants (tr and pld take budget)")
+    if "budget" in knobs:
+        knobs["budget"] = parse_budget(name, str(knobs["budget"]))
     return name, knobs
+
+
+def parse_budget(method: str, value: str) -> int | str:
+    """``auto`` (trees sized by measured step cost) or a number of draft nodes; Token Recycling keeps its
+    80-node template unless cut by cost (``auto``)."""
+    if method not in ("recap", "tr", "pld"):
+        raise ValueError(f"{method} drafts nothing: budget applies to recap, tr and pld")
+    if value == "auto":
+        return value
+    if method == "tr":
+        raise ValueError("tr drafts its fixed 80-node template; its only budget is auto (cut by cost)")
+    if not value.isdigit():
+        raise ValueError(f"'{value}' is not auto or a number of draft nodes")
+    return int(value)
 
 
 def make_session(adapter: Adapter, spec: str) -> Session | GenerateSession:
@@ -124,6 +141,7 @@ def _measure(session, req: Request, dataset: str, label: str, model: str,
         m.new_tokens = record["new_tokens"]
         m.seconds = (record["prefill_ms"] + record["decode_ms"]) / 1000
         m.steps = record["steps"]
+        m.nodes = round(record["mean_nodes"] * record["steps"])
         m.emitted = record["new_tokens"] - record["turns"]
         m.draft_s = record["draft_ms"] / 1000
         m.decode_s = record["decode_ms"] / 1000
@@ -167,6 +185,7 @@ def _stats(rows: list[Measurement], base: dict[str, Measurement]) -> dict:
         "p10": quantile(speedups, 0.1), "p50": quantile(speedups, 0.5), "p90": quantile(speedups, 0.9),
         "tokens_per_s": tokens / seconds if seconds else math.nan,
         "mean_accepted": sum(r.emitted for r in ok) / steps if steps else None,
+        "nodes_per_step": sum(r.nodes for r in ok) / steps if steps else None,
         "draft_share": sum(r.draft_s for r in ok) / decode if decode else 0.0,
         "match_rate": sum(r.match for r in checked) / len(checked) if checked else math.nan,
         "mismatches": [r.id for r in checked if not r.match],

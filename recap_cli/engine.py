@@ -15,6 +15,7 @@ import torch
 
 from . import compat
 from .adapters import Adapter, Prompt
+from .cost import SIZES, StepCost
 from .tree import Rows, Source, Tree, Verified
 
 
@@ -26,6 +27,7 @@ class Engine:
 
     ``static=True`` preallocates the KV cache and pads every step to a node-count bucket, so each step has one
     of a few fixed shapes: what CUDA graphs need (``compile=True`` captures them with torch.compile).
+    ``cost`` is what a step costs here, measured (``measure_costs``) and followed step by step; drafters read it.
     """
 
     def __init__(self, adapter: Adapter, top_k: int = 8, static: bool = False, compile: bool = False,
@@ -43,6 +45,8 @@ class Engine:
         self.min_capacity = min_capacity  # a cache that never has to grow keeps captured graphs valid
         self.length = 0
         self.rope_delta = 0
+        max_size = max(buckets) if self.static else (128 if self.device.type == "cuda" else 64)
+        self.cost = StepCost(buckets=buckets) if self.static else StepCost([s for s in SIZES if s <= max_size])
 
     def _new_cache(self, need: int) -> None:
         if not self.static:
@@ -78,6 +82,19 @@ class Engine:
     @torch.inference_mode()
     def verify(self, tree: Tree) -> Verified:
         """Evaluate root + draft nodes in one forward pass, accept the longest greedy path, compact the cache."""
+        t0 = time.perf_counter()
+        n = len(tree)
+        ids, pos, mask = self.step_inputs(tree)
+        out = self._step(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                         **{self._cache_kw: self.cache})
+        argmax, rows = self._greedy_and_rows(out.logits[0, :n])
+        path = accept(tree, argmax)
+        self._keep(path)
+        self.cost.observe(ids.shape[1], time.perf_counter() - t0)  # the host copy above waited for the device
+        return Verified(path=path, bonus=argmax[path[-1]], argmax=argmax, rows=rows)
+
+    def step_inputs(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Token ids, positions (P + depth) and the additive tree mask of one step, padded to its bucket."""
         n = len(tree)
         size = self._bucket(n)
         if self.static and self.length + size > self.capacity:
@@ -87,12 +104,7 @@ class Engine:
         pos = torch.tensor([tree.depths() + [0] * pad], device=self.device) + (self.length + self.rope_delta)
         # Node i attends to the whole prefix, its ancestors and itself; one token needs no mask at all.
         mask = self._tree_mask(tree.parents + [-1] * pad) if size > 1 or self.static else None
-        out = self._step(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
-                         **{self._cache_kw: self.cache})
-        argmax, rows = self._greedy_and_rows(out.logits[0, :n])
-        path = accept(tree, argmax)
-        self._keep(path)
-        return Verified(path=path, bonus=argmax[path[-1]], argmax=argmax, rows=rows)
+        return ids, pos, mask
 
     def _greedy_and_rows(self, logits: torch.Tensor) -> tuple[list[int], Rows]:
         """Each node's argmax and top-k rows, brought to the host in one copy (the step's only sync).
@@ -113,6 +125,25 @@ class Engine:
             self.verify(Tree(tokens=[0] * size, parents=[-1] + [0] * (size - 1)))
         return time.perf_counter() - t0
 
+    def measure_costs(self, prompt: Prompt, reps: int = 3) -> float:
+        """Time a step of every grid size on this prompt's prefix (median of ``reps``) to start the cost model;
+        seconds spent. Trees are balanced binary trees (depth log2 n), shaped like real drafts for the mask."""
+        t0 = time.perf_counter()
+        self.prefill(prompt, reserve=self.cost.max_tokens)
+        start, timings = self.length, []
+        for size in self.cost.sizes:
+            tree = Tree(tokens=[0] * size, parents=[-1] + [(i - 1) // 2 for i in range(1, size)])
+            runs = []
+            for _ in range(reps):
+                t1 = time.perf_counter()
+                self.verify(tree)
+                runs.append(time.perf_counter() - t1)
+                compat.keep_rows(self.cache, start, None, start)  # forget the step: the next one sees the same prefix
+                self.length = start
+            timings.append(sorted(runs)[len(runs) // 2])
+        self.cost.set(timings)
+        return time.perf_counter() - t0
+
     def _bucket(self, n: int) -> int:
         if not self.static:
             return n
@@ -131,18 +162,15 @@ class Engine:
         ancestors: list[list[int]] = []
         rows, cols = [], []
         for i, parent in enumerate(parents):
-            line = (ancestors[parent] if parent >= 0 else []) + [i]
+            line = (ancestors[parent] if parent >= 0 else []) + [p + i]
             ancestors.append(line)
             rows.extend([i] * len(line))
             cols.extend(line)
-        visible = torch.zeros(n, n, dtype=torch.bool)
-        visible[rows, cols] = True
-        tree_part = torch.full((n, n), torch.finfo(self.dtype).min, dtype=self.dtype)
-        tree_part.masked_fill_(visible, 0.0)
-        parts = [torch.zeros(n, p, dtype=self.dtype), tree_part]
-        if self.static:
-            parts.append(torch.full((n, self.capacity - p - n), torch.finfo(self.dtype).min, dtype=self.dtype))
-        return torch.cat(parts, dim=1).to(self.device)[None, None]
+        width = self.capacity if self.static else p + n
+        mask = torch.full((n, width), torch.finfo(self.dtype).min, dtype=self.dtype)
+        mask[:, :p] = 0.0
+        mask[rows, cols] = 0.0
+        return mask.to(self.device)[None, None]
 
     def _keep(self, path: list[int]) -> None:
         """Keep the K/V rows of the accepted path at positions P.., drop the rest of the tree."""
@@ -197,6 +225,10 @@ def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int) -> Ge
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
     eos = engine.adapter.eos_token_ids
+    if drafter.wants_costs:  # once per engine: time every step size on the first request's prefix
+        drafter.cost = engine.cost
+        if not engine.cost.measured:
+            engine.measure_costs(prompt)
     gen = Generation()
     t0 = time.perf_counter()
     first, rows = engine.prefill(prompt, want_rows=drafter.wants_prefill_rows, reserve=max_new_tokens)
@@ -213,7 +245,9 @@ def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int) -> Ge
         verified = engine.verify(tree)
         t3 = time.perf_counter()
         drafter.observe(tree, verified)
-        gen.draft_s += (t2 - t1) + (time.perf_counter() - t3)
+        draft_s = (t2 - t1) + (time.perf_counter() - t3)
+        engine.cost.observe_host(max(len(tree), drafter.grown), draft_s)
+        gen.draft_s += draft_s
         gen.verify_s += t3 - t2
         added, done = _commit(gen, tree, verified, eos, max_new_tokens)
         context.extend(added)

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 COLUMNS = [("mean×", "mean_speedup"), ("total×", "total_speedup"), ("p10", "p10"), ("p50", "p50"),
-           ("p90", "p90"), ("tok/s", "tokens_per_s"), ("acc/step", "mean_accepted"),
+           ("p90", "p90"), ("tok/s", "tokens_per_s"), ("acc/step", "mean_accepted"), ("nodes", "nodes_per_step"),
            ("draft%", "draft_share"), ("match", "match_rate")]
 
 
@@ -19,7 +19,7 @@ def _fmt(key: str, value) -> str:
         return "–"
     if key in ("draft_share", "match_rate"):
         return f"{100 * value:.1f}%"
-    if key == "tokens_per_s":
+    if key in ("tokens_per_s", "nodes_per_step"):
         return f"{value:.1f}"
     return f"{value:.2f}"
 

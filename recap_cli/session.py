@@ -23,8 +23,6 @@ class Session:
         self.adapter = adapter
         self.method = method
         banned = [adapter.image_token_id] if adapter.image_token_id is not None else []
-        if method == "recap":
-            knobs.setdefault("budget", default_budget(adapter.device))
         self.drafter = make_drafter(method, adapter.vocab_size, banned=banned, **knobs)
         self.engine = Engine(adapter, top_k=getattr(self.drafter, "top_k", 8), static=static, compile=compile,
                              min_capacity=4096 if compile else 0)
@@ -68,15 +66,6 @@ class Session:
     def _fingerprint(self) -> str:
         """Memories hold token ids: they only mean something to a model with the same architecture and vocabulary."""
         return f"{self.adapter.model.config.model_type}/{self.adapter.vocab_size}"
-
-
-def default_budget(device: torch.device) -> int:
-    """Draft nodes per step that the hardware verifies at about the cost of one token.
-
-    A GPU step is launch-bound: up to ~128 nodes cost what one token costs (DESIGN.md section 3). On 2 CPU cores
-    (SmolLM2-135M, fp32) 2-16 nodes cost ~1.6x one token and the cost climbs past that, so trees stay small.
-    """
-    return 64 if device.type == "cuda" else 16
 
 
 def _persistent_table(drafter):

@@ -104,8 +104,10 @@ def test_usage_errors_exit_2_with_one_sentence(model_dirs, workdir):
     assert r.exit_code == 2 and "unknown model 'no-such-model'" in r.stderr and "Traceback" not in r.stderr
     r = invoke(["run", workdir / "one.jsonl", "--model", model_dirs["text"], "--method", "fast"])
     assert r.exit_code == 2 and "unknown method" in r.stderr
-    r = invoke(["run", workdir / "one.jsonl", "--model", model_dirs["text"], "--method", "tr", "--budget", "4"])
+    r = invoke(["run", workdir / "one.jsonl", "--model", model_dirs["text"], "--method", "tr", "--depth", "4"])
     assert r.exit_code == 2 and "recap only" in r.stderr
+    r = invoke(["run", workdir / "one.jsonl", "--model", model_dirs["text"], "--method", "tr", "--budget", "4"])
+    assert r.exit_code == 2 and "template" in r.stderr
 
 
 def test_resume_skips_answered_ids_and_repairs_a_torn_line(model_dirs, workdir):

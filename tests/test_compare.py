@@ -55,7 +55,11 @@ def test_method_specs():
         "recap", {"mixing": "fixed", "orders": (1, 2), "suffix": False, "budget": 16})
     assert parse_method("recap:calibrate=off") == ("recap", {"calibrate": False})
     assert parse_method("hf-pld") == ("hf-pld", {})
-    for bad in ("warp", "recap:speed=9", "tr:budget=3", "recap:suffix=maybe"):
+    assert parse_method("tr:budget=auto") == ("tr", {"budget": "auto"})
+    assert parse_method("pld:budget=10") == ("pld", {"budget": 10})
+    assert parse_method("recap:budget=auto") == ("recap", {"budget": "auto"})
+    for bad in ("warp", "recap:speed=9", "tr:budget=3", "recap:suffix=maybe", "tr:depth=3", "ar:budget=4",
+                "recap:budget=many"):
         with pytest.raises(ValueError):
             parse_method(bad)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from recap_cli.cost import StepCost
 from recap_cli.drafters import PromptLookupDrafter, RecapDrafter, TokenRecyclingDrafter, make_drafter
 from recap_cli.drafters.memory import KeyedMemory, NgramIndex, TokenTable
 from recap_cli.drafters.tr import LEVEL_SIZES, build_template
@@ -30,8 +31,17 @@ def verified(tree: Tree, rows: Rows, path=(0,)) -> Verified:
     return Verified(path=list(path), bonus=0, argmax=[0] * len(tree), rows=rows)
 
 
+def costs(seconds_at: dict[int, float] | None = None, sizes=(1, 2, 4, 8, 16, 32, 64)) -> StepCost:
+    """A cost model with given step costs (default: flat, every size costs what one token costs)."""
+    cost = StepCost(sizes)
+    cost.set([(seconds_at or {}).get(n, 1.0) for n in sizes])
+    return cost
+
+
 def drafter(**kw) -> RecapDrafter:
-    return RecapDrafter(V, banned=[IMAGE], **kw)
+    d = RecapDrafter(V, banned=[IMAGE], **kw)
+    d.cost = costs()
+    return d
 
 
 def test_order2_and_3_reset_per_request_order1_persists():
@@ -114,7 +124,7 @@ def test_mixing_prefers_the_more_specific_key():
     key = (1, 2, 3)
     _seed(d, key, 1, {10: 0.7, 11: 0.3})
     _seed(d, key, 3, {11: 0.7, 10: 0.3})
-    assert d.mix(key)[0][:1] == (11,) and d.mix(key)[0][2] == 3
+    assert d.candidates(key)[0][0] == 11 and d.candidates(key)[0][2] == Source.ORDER3
 
 
 def test_mixing_prefers_the_more_confident_row():
@@ -122,12 +132,12 @@ def test_mixing_prefers_the_more_confident_row():
     key = (1, 2, 3)
     _seed(d, key, 3, {20: 0.6, 21: 0.2, 22: 0.2})  # specific but less concentrated
     _seed(d, key, 2, {21: 0.97, 20: 0.03})  # concentrated
-    assert d.mix(key)[0][0] == 21
+    assert d.candidates(key)[0][0] == 21
     # With fixed weights (0.7 for the most specific present) the order-3 row wins instead.
     f = drafter(mixing="fixed")
     _seed(f, key, 3, {20: 0.6, 21: 0.2, 22: 0.2})
     _seed(f, key, 2, {21: 0.97, 20: 0.03})
-    assert f.mix(key)[0][0] == 20
+    assert f.candidates(key)[0][0] == 20
 
 
 def test_mixture_is_a_distribution_and_orders_can_be_switched_off():
@@ -140,12 +150,12 @@ def test_mixture_is_a_distribution_and_orders_can_be_switched_off():
     only1 = drafter(orders=(1,))
     _seed(only1, key, 1, {10: 0.5, 11: 0.5})
     _seed(only1, key, 3, {12: 1.0})
-    assert {t for t, _, _ in only1.mix(key)} >= {10, 11} and 12 not in {t for t, _, _ in only1.mix(key)}
+    assert {t for t, _, _ in only1.candidates(key)} >= {10, 11} and 12 not in {t for t, _, _ in only1.candidates(key)}
 
 
 def drafter_mix_all(d: RecapDrafter, key):
     d.width = 64
-    return d.mix(key)
+    return d.candidates(key)
 
 
 def test_suffix_lookup_finds_the_longest_earlier_match():
@@ -192,7 +202,7 @@ def test_tree_never_drafts_the_image_token():
 
 
 def test_suffix_continuation_is_merged_as_a_path():
-    d = drafter(budget=0, suffix=True)
+    d = drafter(budget=4, suffix=True)  # no memories: the continuation is the only candidate
     context = [1, 2, 3, 4, 5, 6, 1, 2, 3]
     d.start(context[:-1], None)
     tree = d.propose(context, room=10)
@@ -226,7 +236,7 @@ def test_token_recycling_fills_from_the_matrix_and_keeps_it_across_requests():
 
 
 def test_prompt_lookup_drafts_a_chain_after_the_first_match():
-    d = PromptLookupDrafter(num_tokens=3)
+    d = PromptLookupDrafter(budget=3)
     ctx = [7, 1, 2, 3, 4, 5, 1, 2, 3, 8, 9, 1, 2, 3]
     d.start(ctx, None)
     tree = d.propose(ctx, room=10)
@@ -239,23 +249,91 @@ def test_make_drafter_rejects_unknown_methods_and_misplaced_knobs():
     with pytest.raises(ValueError, match="unknown method"):
         make_drafter("magic", V)
     with pytest.raises(ValueError, match="recap only"):
+        make_drafter("tr", V, mixing="fixed")
+    with pytest.raises(ValueError, match="template"):
         make_drafter("tr", V, budget=3)
+    with pytest.raises(ValueError, match="recap only"):
+        make_drafter("ar", V, budget=3)
 
 
 def test_calibration_learns_that_overconfident_memories_fail():
-    """Rank-0 drafts at p = 0.6 that the verifier keeps rejecting lose their estimate; the rank-1 ones it
-    accepts gain, so the next tree puts the rank-1 child's subtree ahead."""
-    d = _seeded_chain_drafter(budget=6, depth=4, suffix=False)
+    """Rank-0 candidates at p = 0.6 that the verifier keeps rejecting lose their estimate; the rank-1 ones it
+    picks gain. Every candidate of an accepted node is graded, placed in the tree or not."""
+    d = _seeded_chain_drafter(budget=0, depth=4, suffix=False)  # the root alone: nothing placed
     tree = d.propose([1, 2, 3], room=100)
+    assert len(tree) == 1
     first, second = d.calibration.chance(0, 0.6), d.calibration.chance(1, 0.2)
-    kids = [i for i in range(1, len(tree)) if tree.parents[i] == 0]
-    placed = {i: r for i, r, _ in d._placed}
-    runner_up = next(i for i in kids if placed[i] == 1)
-    for _ in range(20):  # the model's argmax at the root is always the rank-1 candidate
-        argmax = [tree.tokens[runner_up]] + [0] * (len(tree) - 1)
-        d.calibration.update(d._placed, tree, Verified(path=[0, runner_up], bonus=0, argmax=argmax,
-                                                        rows=rows_of(*[{0: 1.0}] * len(tree))))
+    for _ in range(20):  # the model's argmax at the root is always the rank-1 candidate, 3 + 20
+        d.observe(tree, Verified(path=[0], bonus=23, argmax=[23], rows=rows_of({23: 1.0})))
     assert d.calibration.chance(0, 0.6) < first / 2
     assert d.calibration.chance(1, 0.2) > second
     raw = _seeded_chain_drafter(budget=6, depth=4, suffix=False, calibrate=False)
-    assert raw.calibration is None and raw.propose([1, 2, 3], room=100).tokens == tree.tokens
+    assert raw.calibration is None and raw.propose([1, 2, 3], room=100).tokens == \
+        _seeded_chain_drafter(budget=6, depth=4, suffix=False).propose([1, 2, 3], room=100).tokens
+
+
+def test_cost_cut_keeps_the_root_alone_when_chances_are_low_and_nodes_cost():
+    d = _seeded_chain_drafter(suffix=False)  # budget auto
+    for _ in range(30):  # teach it that its drafts are never accepted: the argmax is always unseen token 50
+        tree = d.propose([1, 2, 3], room=100)
+        d.observe(tree, Verified(path=[0], bonus=50, argmax=[50] * len(tree), rows=rows_of(*[{}] * len(tree))))
+        d.start([1, 2, 3], None)
+        d.order1.rows = list(_seeded_chain_drafter().order1.rows)  # memories back as seeded
+    d.cost = costs({1: 1.0, 2: 1.5, 4: 1.6, 8: 1.8, 16: 2.2, 32: 3.0, 64: 5.0})  # CPU-like: a tree costs more
+    assert len(d.propose([1, 2, 3], room=100)) == 1
+    d.cost = costs()  # flat (a GPU): even unlikely nodes are free, so the tree grows to the largest size
+    assert len(d.propose([1, 2, 3], room=100)) == 64
+
+
+def test_cost_cut_grows_where_chances_are_high():
+    d = _seeded_chain_drafter(suffix=False)
+    d.cost = costs({1: 1.0, 2: 1.5, 4: 1.6, 8: 1.8, 16: 2.2, 32: 3.0, 64: 5.0})
+    tree = d.propose([1, 2, 3], room=100)
+    # Untaught, the chances are the remembered 0.6 / 0.2 / 0.1: the 0.6 chain pays for a few nodes, not 64.
+    assert 2 <= len(tree) <= 16 and tree.tokens[:3] == [3, 4, 5]
+    assert len(d.propose([1, 2, 3], room=100)) == len(tree)  # deterministic for the same state
+
+
+def test_step_cost_interpolates_follows_observations_and_buckets():
+    c = costs({1: 1.0, 2: 2.0, 4: 2.0, 8: 4.0})
+    assert c(3) == 2.0 and c(6) == 3.0 and c(8) == 4.0
+    c.observe(6, 100.0)  # an outlier counts at most 3x the estimate, shared between the sizes around 6
+    assert 2.0 < c(4) < 2.2 and 4.0 < c(8) < 4.5
+    t = c.table()
+    assert all(a <= b for a, b in zip(t[1:], t[2:]))  # T(n) never decreases
+    b = StepCost(buckets=(1, 16, 32))
+    b.set([1.0, 2.0, 3.0])
+    assert b(1) == 1.0 and b(2) == b(16) == 2.0 and b(17) == 3.0
+
+
+def test_prompt_lookup_cut_follows_learned_chances():
+    ctx = [7, 1, 2, 3, 4, 5, 6, 8, 9, 1, 2, 3]
+    d = PromptLookupDrafter()
+    d.cost = costs({1: 1.0, 2: 1.5, 4: 1.6, 8: 1.8, 16: 2.2, 32: 3.0, 64: 5.0})
+    d.start(ctx, None)
+    assert len(d.propose(ctx, room=10)) == 5  # prior chances 0.5, 0.25, ...: four tokens pay for a 1.65x step
+    for _ in range(10):  # the continuation's first token is never right
+        tree = d.propose(ctx, room=10)
+        d.observe(tree, Verified(path=[0], bonus=0, argmax=[0] * len(tree), rows=rows_of(*[{}] * len(tree))))
+    assert len(d.propose(ctx, room=10)) == 1
+    for _ in range(30):  # now it keeps being right: the root alone still tests the first token, and it grows
+        tree = d.propose(ctx, room=10)
+        truth = [4, 5, 6, 8, 9, 1, 2, 3, 0, 0]  # the model's argmax after each chain node
+        d.observe(tree, Verified(path=list(range(len(tree))), bonus=truth[len(tree) - 1],
+                                 argmax=truth[:len(tree)], rows=rows_of(*[{}] * len(tree))))
+    assert d.propose(ctx, room=10).tokens == [3, 4, 5, 6, 8, 9, 1, 2, 3]
+
+
+def test_token_recycling_auto_cuts_its_template_by_path_chance():
+    d = TokenRecyclingDrafter(V, budget="auto")
+    d.cost = costs({1: 1.0, 2: 1.5, 4: 1.6, 8: 1.8, 16: 2.2, 32: 3.0, 64: 5.0})
+    d.start([1, 2], Rows(ids=rows_of({5: 1}, {6: 0.99}).ids, probs=rows_of({5: 1}, {6: 0.99}).probs,
+                         positions=[0, 1]))
+    for t in range(6, 20):
+        d.table.put(t, (tuple(range(t + 1, t + 9)), (0.95,) + (0.05 / 7,) * 7))
+    tree = d.propose([1, 2], room=10)
+    tree.validate()
+    full = TokenRecyclingDrafter(V)
+    full.table = d.table
+    assert 2 < len(tree) < len(full.propose([1, 2], room=10))
+    assert tree.tokens[:4] == [2, 6, 7, 8]  # the likely chain survives the cut

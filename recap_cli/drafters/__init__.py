@@ -11,17 +11,19 @@ METHODS = ("ar", "recap", "tr", "pld")
 
 
 def make_drafter(method: str, vocab_size: int, banned=(), **knobs) -> Drafter:
-    """A drafter by method name; ``knobs`` are RecapDrafter's ablation parameters (recap only)."""
+    """A drafter by method name. ``knobs`` are RecapDrafter's ablation parameters; ``tr`` and ``pld`` take
+    ``budget`` only (tr: "auto" cuts its template by cost; pld: a fixed chain length, else cut by cost)."""
     if method == "recap":
         return RecapDrafter(vocab_size, banned=banned, **knobs)
-    if knobs:
-        raise ValueError(f"options {sorted(knobs)} apply to recap only")
+    if set(knobs) - {"budget"} or (knobs and method == "ar"):
+        raise ValueError(f"options {sorted(knobs)} apply to recap only" + ("" if method == "ar" else
+                         f" ({method} takes budget)"))
     if method == "ar":
         return Drafter()
     if method == "tr":
-        return TokenRecyclingDrafter(vocab_size, banned=banned)
+        return TokenRecyclingDrafter(vocab_size, banned=banned, **knobs)
     if method == "pld":
-        return PromptLookupDrafter(banned=banned)
+        return PromptLookupDrafter(banned=banned, **knobs)
     raise ValueError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..cost import StepCost
 from ..tree import Rows, Tree, Verified
 
 
@@ -9,10 +10,15 @@ class Drafter:
     """Proposes a draft tree under the root and learns from what the verifier saw.
 
     The base class drafts nothing, which makes every step a plain one-token greedy step: the ``ar`` baseline.
+    A drafter that sizes its trees by what a step costs says so with ``wants_costs``; the decoding loop then
+    hands it the engine's measured ``cost`` before the first step.
     """
 
     name = "ar"
     wants_prefill_rows = False
+    wants_costs = False
+    cost: StepCost | None = None
+    grown = 0  # nodes the last proposal built before any cut to size (its drafting work)
 
     def start(self, prompt: list[int], rows: Rows | None) -> None:
         """A new request begins (per-request memories reset here); ``rows`` are the prefill predictions."""

@@ -9,21 +9,28 @@ this image's context). A node's candidates mix the rows its keys find:
 with w_o a weight by the order's rank among the orders present (most specific first; 0.80/0.15/0.05 by
 default) and conf_o the row's top-1 probability (``mixing="confidence"``), or the public implementation's fixed
 weights 0.70/0.20/0.10 by rank and no confidence term (``mixing="fixed"``, the ablation). The tree grows
-best-first: a child's score is its parent's times its estimated chance of acceptance. A remembered probability
-is the model's confidence in an *earlier* context, so it overrates recycled tokens where contexts alias ("the
-sign reads" continues differently per image); with ``calibrate=True`` (the default) the chance is learned online
-from the verifier's verdicts per (candidate rank, probability bucket), starting from the probability itself.
-A suffix continuation (the tokens that followed the longest earlier match of the current suffix in prompt +
-output) is merged in as one extra path.
+best-first: a child's score is its parent's times its estimated chance of acceptance, so a node's score is the
+chance that its whole path is accepted. A remembered probability is the model's confidence in an *earlier*
+context, so it overrates recycled tokens where contexts alias ("the sign reads" continues differently per
+image); with ``calibrate=True`` (the default) the chance is learned online from the verifier's verdicts per
+(candidate rank, probability bucket), starting from the probability itself. A suffix continuation (the tokens
+that followed the longest earlier match of the current suffix in prompt + output) competes in the same growth,
+at its own learned chance, so a continuation that keeps being right earns the depth it pays for.
+
+The tree's size comes from what a step costs (``budget="auto"``, the default): growth stops where expected tokens
+per second (recap_cli/cost.py) can no longer rise, down to the root alone.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from operator import itemgetter
 
+from ..cost import SizeChooser
 from ..tree import Rows, Source, Tree, Verified
 from .base import Drafter
+from .calibration import Calibration, ChainCalibration
 from .memory import KeyedMemory, NgramIndex, Row, TokenTable, row_tuples
 
 FIXED_WEIGHTS = (0.70, 0.20, 0.10)
@@ -31,6 +38,14 @@ FIXED_WEIGHTS = (0.70, 0.20, 0.10)
 # (0.7,0.2,0.1) .. (0.97,0.02,0.01), 16 prompts x 64 new tokens: 0.8/0.15/0.05 gave 2.79 tokens/step, fixed 2.61.
 CONFIDENCE_WEIGHTS = (0.80, 0.15, 0.05)
 ORDER_SOURCE = {1: Source.ORDER1, 2: Source.ORDER2, 3: Source.ORDER3}
+# A node's candidates: tokens and mixed probabilities best first, and the (order, row) pairs they came from.
+Candidates = tuple[Sequence[int], Sequence[float], list[tuple[int, Row]]]
+NO_CANDIDATES: Candidates = ((), (), [])
+
+
+def _origin(found: list[tuple[int, Row]], token: int) -> Source:
+    """The most specific memory whose row proposed ``token`` (rows are found most specific first)."""
+    return ORDER_SOURCE[next(o for o, (ids, _) in found if token in ids)]
 
 
 class RecapDrafter(Drafter):
@@ -39,10 +54,12 @@ class RecapDrafter(Drafter):
 
     def __init__(self, vocab_size: int, banned: Iterable[int] = (), orders: Iterable[int] = (1, 2, 3),
                  mixing: str = "confidence", weights: tuple[float, ...] = CONFIDENCE_WEIGHTS, suffix: bool = True,
-                 suffix_len: int = 4, suffix_max_n: int = 8, budget: int = 64, depth: int = 8, width: int = 8,
-                 top_k: int = 8, cap: int = 1 << 16, calibrate: bool = True):
+                 suffix_len: int = 10, suffix_max_n: int = 8, budget: int | str = "auto", depth: int = 8,
+                 width: int = 8, top_k: int = 8, cap: int = 1 << 16, calibrate: bool = True):
         if mixing not in ("confidence", "fixed"):
             raise ValueError("mixing is 'confidence' or 'fixed'")
+        if budget != "auto" and not (isinstance(budget, int) and budget >= 0):
+            raise ValueError("budget is 'auto' or a number of draft nodes >= 0")
         self.orders = tuple(sorted(set(orders), reverse=True))  # most specific first
         if not self.orders or not set(self.orders) <= {1, 2, 3}:
             raise ValueError("orders is a non-empty subset of 1, 2, 3")
@@ -55,7 +72,15 @@ class RecapDrafter(Drafter):
         self.index = NgramIndex(suffix_max_n, keep="latest", skip=self.banned)
         self._tail: tuple[int, ...] = ()
         self.calibration = Calibration(self.width) if calibrate else None
-        self._placed: list[tuple[int, int, int]] = []  # (tree index, rank, probability bucket) of drafted nodes
+        self.continuation = ChainCalibration()  # the suffix lane's chances, learned with or without calibrate
+        # Nodes whose candidates the last tree drafted from: (tree index, mixed candidates, continuation token
+        # or None, its step along the continuation); observe() grades them where the node was accepted.
+        self._tested: list[tuple[int, Candidates, int | None, int]] = []
+        self._n_match = 0
+
+    @property
+    def wants_costs(self) -> bool:
+        return self.budget == "auto"
 
     # --- memories -------------------------------------------------------------------------------------------
 
@@ -68,8 +93,20 @@ class RecapDrafter(Drafter):
 
     def observe(self, tree: Tree, verified: Verified) -> None:
         self._store_rows(verified.rows, self._node_keys(tree), verified.accepted_last(len(tree)))
-        if self.calibration is not None:
-            self.calibration.update(self._placed, tree, verified)
+        self._grade(verified)
+
+    def _grade(self, verified: Verified) -> None:
+        """Every candidate of an accepted node was put to the test: it passed iff it is the argmax there."""
+        accepted = set(verified.path)
+        for i, cands, follow_token, j in self._tested:
+            if i not in accepted:
+                continue
+            best = verified.argmax[i]
+            if self.calibration is not None:
+                for rank, (token, prob) in enumerate(zip(cands[0], cands[1])):
+                    self.calibration.record(rank, prob, token == best)
+            if follow_token is not None:
+                self.continuation.record(self._n_match, j, follow_token == best)
 
     def _node_keys(self, tree: Tree) -> list[tuple[int, ...]]:
         """Each node's last three path tokens: its tree ancestors, then committed text (the context tail)."""
@@ -95,6 +132,7 @@ class RecapDrafter(Drafter):
         for memory in self.keyed.values():
             memory.clear()
         self.index.reset()
+        self.continuation.clear()
         if self.calibration is not None:
             self.calibration.clear()
 
@@ -115,87 +153,110 @@ class RecapDrafter(Drafter):
                 found.append((o, row))
         return found
 
-    def mix(self, key: tuple[int, ...]) -> list[tuple[int, float, int]]:
-        """(token, probability, order) candidates for the node whose path ends in ``key``, best first."""
+    def mix(self, key: tuple[int, ...]) -> Candidates:
+        """(tokens, probabilities, rows found) of the candidates for the node whose path ends in ``key``, best
+        first. One row (the common case) is its own mixture and is returned as stored, without a copy."""
         found = self.rows_for(key)
-        if len(found) == 1:  # one row: the mixture is the row itself
-            o, (ids, probs) = found[0]
-            return [(t, p, o) for t, p in zip(ids, probs) if t not in self.banned][: self.width]
-        if not found:
-            return []
+        if len(found) == 1:
+            ids, probs = found[0][1]
+            if self.banned.isdisjoint(ids):
+                return ids[: self.width], probs[: self.width], found
+        elif not found:
+            return NO_CANDIDATES
         if self.mixing == "fixed":
             ws = self.weights[: len(found)]
         else:  # conf = the row's top-1 probability
             ws = [w * row[1][0] for w, (_, row) in zip(self.weights, found)]
         total = sum(ws)
         score: dict[int, float] = {}
-        origin: dict[int, int] = {}
-        for (o, (ids, probs)), w in zip(found, ws):
+        get = score.get
+        for (_, (ids, probs)), w in zip(found, ws):
             f = w / total
             for t, p in zip(ids, probs):
-                score[t] = score.get(t, 0.0) + f * p
-                origin.setdefault(t, o)  # rows come most specific first
-        best = sorted(score.items(), key=lambda kv: -kv[1])
-        return [(t, p, origin[t]) for t, p in best if t not in self.banned][: self.width]
+                score[t] = get(t, 0.0) + f * p
+        best = [tp for tp in sorted(score.items(), key=itemgetter(1), reverse=True) if tp[0] not in self.banned]
+        best = best[: self.width]
+        return [t for t, _ in best], [p for _, p in best], found
+
+    def candidates(self, key: tuple[int, ...]) -> list[tuple[int, float, Source]]:
+        """The mixture as (token, probability, source) triples: for reading, not for the hot path."""
+        tokens, probs, found = self.mix(key)
+        return [(t, p, _origin(found, t)) for t, p in zip(tokens, probs)]
 
     # --- the tree -------------------------------------------------------------------------------------------
 
     def propose(self, context: list[int], room: int) -> Tree:
-        """Best-first growth. Only a node's best unplaced child waits in the heap; when it is placed, its next
-        sibling takes its place, so each placed node costs one mix and two heap pushes."""
+        """Best-first growth over two lanes of candidates per node: its mixed recycled rows (in rank order;
+        only a node's best unplaced one waits in the heap, its next sibling takes its place when it is placed)
+        and, on the path of the suffix continuation, that continuation's next token. A token both lanes
+        propose is placed once, at the better chance. With ``budget="auto"`` the tree stops growing when no
+        bigger tree can beat the best expected tokens per second so far, and is cut to that best size."""
         self._tail = tuple(context[-3:])
         max_depth = min(self.depth, room)
-        nodes = [(context[-1], -1, Source.ROOT, 1.0)]  # token, parent, source, score
-        keys, depths, cands = [self._tail], [0], [self.mix(self._tail) if max_depth > 0 else []]
+        n_match, follow = (self.index.continuation(context, min(self.suffix_len, room))
+                           if self.suffix and room > 0 else (0, []))
         chance = self.calibration.chance if self.calibration is not None else _raw_chance
-        frontier: list[tuple[float, int, int]] = []  # (-score, parent, rank of the child in cands[parent])
-        if cands[0]:
-            frontier.append((-chance(0, cands[0][0][1]), 0, 0))
-        ranks = [(-1, -1)]
-        while frontier and len(nodes) <= self.budget:
+        follow_chance = self.continuation.chance
+        nodes = [(context[-1], -1, Source.ROOT, 1.0)]  # token, parent, source, path chance
+        keys, depths, cands = [self._tail], [0], [self.mix(self._tail) if max_depth > 0 else NO_CANDIDATES]
+        on_path = [0 if follow else -1]  # node i's path = follow[:on_path[i]]; -1: off the continuation
+        children: dict[tuple[int, int], int] = {}
+        frontier: list[tuple[float, int, int]] = []  # (-path chance, parent, rank in cands[parent]; -1: follow)
+        if cands[0][0]:
+            frontier.append((-chance(0, cands[0][1][0]), 0, 0))
+        if follow:
+            heapq.heappush(frontier, (-follow_chance(n_match, 0), 0, -1))
+        sizer = SizeChooser(self.cost.table(), self.cost.max_tokens) if self.wants_costs else None
+        while frontier:
+            if sizer is not None and not sizer.worth_growing(-frontier[0][0]):
+                break
+            if sizer is None and len(nodes) > self.budget:
+                break
             neg, parent, rank = heapq.heappop(frontier)
-            token, prob, order = cands[parent][rank]
-            if rank + 1 < len(cands[parent]):
-                nxt = -nodes[parent][3] * chance(rank + 1, cands[parent][rank + 1][1])
-                heapq.heappush(frontier, (nxt, parent, rank + 1))
+            if rank >= 0:
+                tokens, probs, found = cands[parent]
+                token = tokens[rank]
+                source = ORDER_SOURCE[found[0][0]] if len(found) == 1 else _origin(found, token)
+                if rank + 1 < len(tokens):
+                    heapq.heappush(frontier, (-nodes[parent][3] * chance(rank + 1, probs[rank + 1]), parent, rank + 1))
+            else:
+                token, source = follow[on_path[parent]], Source.SUFFIX
+            if (parent, token) in children:
+                continue
             i = len(nodes)
-            nodes.append((token, parent, ORDER_SOURCE[order], -neg))
-            ranks.append((rank, _bucket(prob)))
+            children[(parent, token)] = i
+            nodes.append((token, parent, source, -neg))
             keys.append((keys[parent] + (token,))[-3:])
             depths.append(depths[parent] + 1)
-            cands.append(self.mix(keys[i]) if depths[i] < max_depth else [])
-            if cands[i]:
-                heapq.heappush(frontier, (neg * chance(0, cands[i][0][1]), i, 0))
-        if self.suffix and max_depth > 0:
-            self._merge_suffix(context, nodes, depths, max_depth)
+            j = on_path[parent]
+            on_path.append(j + 1 if 0 <= j and follow[j] == token and j + 1 < len(follow) else -1)
+            cands.append(self.mix(keys[i]) if depths[i] < max_depth else NO_CANDIDATES)
+            if cands[i][0]:
+                heapq.heappush(frontier, (neg * chance(0, cands[i][1][0]), i, 0))
+            if on_path[i] > 0:
+                heapq.heappush(frontier, (neg * follow_chance(n_match, on_path[i]), i, -1))
+            if sizer is not None:
+                sizer.place(-neg)
+        if sizer is not None:
+            del nodes[sizer.size:]
         tree, where = _layout(nodes)
-        self._placed = [(where[i], r, b) for i, (r, b) in enumerate(ranks) if r >= 0]
+        self._tested = [(where[i], cands[i], follow[on_path[i]] if on_path[i] >= 0 else None, on_path[i])
+                        for i in range(len(nodes)) if cands[i][0] or on_path[i] >= 0]
+        self._n_match = n_match
+        self.grown = len(children) + 1
         return tree
-
-    def _merge_suffix(self, context: list[int], nodes: list, depths: list[int], max_depth: int) -> None:
-        """Walk the continuation down from the root, reusing nodes that already hold its tokens."""
-        _, follow = self.index.continuation(context, min(self.suffix_len, max_depth))
-        children: dict[tuple[int, int], int] = {(parent, tok): i for i, (tok, parent, _, _) in enumerate(nodes)}
-        at = 0
-        for token in follow:
-            nxt = children.get((at, token))
-            if nxt is None:
-                nodes.append((token, at, Source.SUFFIX, 0.0))
-                depths.append(depths[at] + 1)
-                nxt = len(nodes) - 1
-                children[(at, token)] = nxt
-            at = nxt
 
 
 def _layout(nodes: list[tuple[int, int, int, float]]) -> tuple[Tree, dict[int, int]]:
     """Depth-first with the best child first, so the top-1 chain sits at indices 0..d: when it is the accepted
-    path the KV compaction is only a cut."""
+    path the KV compaction is only a cut. Best-first growth places siblings best first, so a node's children
+    are already in order."""
     kids: list[list[int]] = [[] for _ in nodes]
     for i in range(1, len(nodes)):
         kids[nodes[i][1]].append(i)
     tree = Tree.root(nodes[0][0])
     new_index = {0: 0}
-    stack = sorted(kids[0], key=lambda c: nodes[c][3])  # worst first: the best is popped first
+    stack = kids[0][::-1]  # the best is popped first
     while stack:
         i = stack.pop()
         token, parent, source, _ = nodes[i]
@@ -203,42 +264,9 @@ def _layout(nodes: list[tuple[int, int, int, float]]) -> tuple[Tree, dict[int, i
         tree.tokens.append(token)
         tree.parents.append(new_index[parent])
         tree.sources.append(source)
-        stack.extend(sorted(kids[i], key=lambda c: nodes[c][3]))
+        stack.extend(kids[i][::-1])
     return tree, new_index
-
-
-BUCKETS = (0.5, 0.8, 0.95)  # remembered probability -> bucket 0..3
-
-
-def _bucket(p: float) -> int:
-    return sum(p >= b for b in BUCKETS)
 
 
 def _raw_chance(rank: int, p: float) -> float:
     return p
-
-
-class Calibration:
-    """P(a drafted child is accepted | its parent was) per (rank among its siblings, probability bucket),
-    counted from the verifier's verdicts, with ``prior`` pseudo-observations at the remembered probability."""
-
-    def __init__(self, width: int, prior: float = 4.0):
-        self.width, self.prior = width, prior
-        self.clear()
-
-    def clear(self) -> None:
-        self.hits = [[0.0] * (len(BUCKETS) + 1) for _ in range(self.width)]
-        self.tries = [[0.0] * (len(BUCKETS) + 1) for _ in range(self.width)]
-
-    def chance(self, rank: int, p: float) -> float:
-        b = _bucket(p)
-        return (self.hits[rank][b] + self.prior * p) / (self.tries[rank][b] + self.prior)
-
-    def update(self, placed: list[tuple[int, int, int]], tree: Tree, verified: Verified) -> None:
-        """Only children of accepted nodes were put to the test: each passed iff it is its parent's argmax."""
-        accepted = set(verified.path)
-        for i, rank, b in placed:
-            parent = tree.parents[i]
-            if parent in accepted:
-                self.tries[rank][b] += 1
-                self.hits[rank][b] += verified.argmax[parent] == tree.tokens[i]

@@ -5,10 +5,15 @@ requests (hot start), read through a static tree template: each template node is
 parent's token". The template has 80 nodes + root over 6 levels of 8/21/25/15/8/3 nodes, as in the paper; which
 (parent, rank) slots fill each level is our reconstruction: the slots with the highest prior acceptance, taking
 rank r's prior as decaying with r (``RANK_PRIOR``).
+
+``budget="auto"`` (the ``tr:budget=auto`` variant, not the paper's) keeps the template but cuts it to the size
+with the best expected tokens per second (recap_cli/cost.py), taking each node's path chance as the product of
+the table's probabilities along it: Token Recycling at equal cost, for a fair comparison with RECAP.
 """
 
 from __future__ import annotations
 
+from ..cost import best_size
 from ..tree import Rows, Source, Tree, Verified
 from .base import Drafter
 from .memory import TokenTable, row_tuples
@@ -35,12 +40,16 @@ class TokenRecyclingDrafter(Drafter):
     name = "tr"
     wants_prefill_rows = True
 
-    def __init__(self, vocab_size: int, banned=(), top_k: int = 8, prefill_rows: bool = True):
+    def __init__(self, vocab_size: int, banned=(), top_k: int = 8, prefill_rows: bool = True,
+                 budget: str | None = None):
+        if budget not in (None, "auto"):
+            raise ValueError("Token Recycling's budget is its 80-node template, or 'auto' (cut by cost)")
         self.table = TokenTable(vocab_size)
         self.template = build_template()
         self.banned = frozenset(banned)
         self.top_k = top_k
         self.wants_prefill_rows = prefill_rows
+        self.wants_costs = budget == "auto"
 
     def start(self, prompt: list[int], rows: Rows | None) -> None:
         if rows is not None:
@@ -58,7 +67,7 @@ class TokenRecyclingDrafter(Drafter):
         """Fill the template breadth-first; a slot whose parent is missing or has no r-th successor is dropped."""
         tree = Tree.root(context[-1])
         placed = {0: 0}  # template index -> tree index
-        depth = [0]
+        depth, chance = [0], [1.0]
         for j, (parent, rank) in enumerate(self.template, start=1):
             at = placed.get(parent)
             if at is None or depth[at] >= room:
@@ -71,7 +80,20 @@ class TokenRecyclingDrafter(Drafter):
             tree.parents.append(at)
             tree.sources.append(Source.MATRIX)
             depth.append(depth[at] + 1)
-        return tree
+            chance.append(chance[at] * row[1][rank])
+        self.grown = len(tree)
+        return self._cut(tree, chance) if self.wants_costs and len(tree) > 1 else tree
+
+    def _cut(self, tree: Tree, chance: list[float]) -> Tree:
+        """The nodes in order of decreasing path chance (a parent never follows its child: its chance is at
+        least as high, ties keep template order), cut to the best size."""
+        order = sorted(range(1, len(tree)), key=lambda i: -chance[i])
+        keep = best_size([chance[i] for i in order], self.cost.table(), self.cost.max_tokens)
+        kept = sorted(order[: keep - 1])  # template order again: parents before children
+        index = {0: 0} | {old: new for new, old in enumerate(kept, start=1)}
+        return Tree(tokens=[tree.tokens[0]] + [tree.tokens[i] for i in kept],
+                    parents=[-1] + [index[tree.parents[i]] for i in kept],
+                    sources=[tree.sources[0]] + [tree.sources[i] for i in kept])
 
     def reset(self) -> None:
         self.table.clear()

@@ -1,0 +1,144 @@
+"""What a decoding step costs on this machine, measured, and the tree size that it makes worth drafting.
+
+A step that verifies n tokens emits, in expectation, E(n) = 1 + sum of its draft nodes' path chances (the bonus
+token is always emitted; a node adds a token exactly when its whole path is accepted). It takes T(n) = the
+forward pass for n tokens + the host's drafting work for n nodes. Drafters grow trees best-first and keep the
+size that maximises E(n) / T(n); n = 1 (the root alone: a plain greedy step) is always a candidate, so where
+nothing is predictable a step costs what an ``ar`` step costs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+class StepCost:
+    """Seconds per verification step as a function of the tokens in the forward pass.
+
+    Starts from a timing of every size in ``sizes`` (``Engine.measure_costs``) and follows the run: each
+    observed step moves the two grid sizes around it towards what it took (weighted by distance), so the model
+    tracks a machine that gets busier or a prefix that grows. Between grid sizes cost is linear; with
+    ``buckets`` (a static-shape engine pads every step to a bucket) a step costs what its bucket costs. A later
+    batched engine asks ``cost(total tokens in the step)``.
+    """
+
+    def __init__(self, sizes: Sequence[int] = SIZES, buckets: Sequence[int] | None = None, alpha: float = 0.05):
+        self.sizes = tuple(buckets or sizes)
+        self.buckets = tuple(buckets) if buckets else None
+        self.alpha = alpha
+        self.seconds: list[float] | None = None  # per grid size, None until measured
+        self.host_per_node = 0.0  # drafting work (propose + observe) per tree node, seconds
+        self._table: list[float] | None = None  # step(n) for n = 0..max, rebuilt lazily after updates
+
+    @property
+    def measured(self) -> bool:
+        return self.seconds is not None
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sizes[-1]
+
+    def set(self, seconds: Sequence[float]) -> None:
+        """The warm-up timing, one figure per grid size."""
+        if len(seconds) != len(self.sizes):
+            raise ValueError("one timing per grid size")
+        self.seconds = list(seconds)
+        self._table = None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A verification step of ``tokens`` took ``seconds``. One slow outlier (another process, a page fault)
+        counts at most three times the current estimate, so it cannot make a size look unaffordable for good."""
+        if self.seconds is None:
+            return
+        lo, hi, w = self._bracket(tokens)
+        for j, weight in ((lo, 1.0 - w), (hi, w)):
+            if weight > 0:
+                s = min(seconds, 3 * self.seconds[j])
+                self.seconds[j] += self.alpha * weight * (s - self.seconds[j])
+        self._table = None
+
+    def observe_host(self, nodes: int, seconds: float) -> None:
+        """Drafting time of one step (propose + observe) for a tree of ``nodes`` nodes."""
+        if nodes > 0:
+            self.host_per_node += 0.1 * (seconds / nodes - self.host_per_node)
+            self._table = None
+
+    def __call__(self, tokens: int) -> float:
+        """Forward-pass seconds for a step of ``tokens`` tokens (the root included; at most ``max_tokens``)."""
+        assert self.seconds is not None, "measure the step costs first"
+        if self.buckets:
+            return self.seconds[min(bisect.bisect_left(self.buckets, tokens), len(self.buckets) - 1)]
+        lo, hi, w = self._bracket(tokens)
+        return self.seconds[lo] + w * (self.seconds[hi] - self.seconds[lo])
+
+    def table(self) -> list[float]:
+        """T(n) for n = 0..max_tokens: forward pass + drafting, made non-decreasing (a measured dip at some
+        size is noise; a bigger tree is never cheaper), so that bounds on future rates hold."""
+        if self._table is None:
+            t = [0.0]
+            for n in range(1, self.max_tokens + 1):
+                t.append(max(t[-1], self(n) + self.host_per_node * n))
+            self._table = t
+        return self._table
+
+    def _bracket(self, tokens: int) -> tuple[int, int, float]:
+        """Grid indices around ``tokens`` and the interpolation weight of the upper one."""
+        sizes = self.sizes
+        hi = bisect.bisect_left(sizes, tokens)
+        if hi == 0:
+            return 0, 0, 0.0
+        if hi >= len(sizes):
+            return len(sizes) - 1, len(sizes) - 1, 0.0
+        lo = hi - 1
+        if sizes[hi] == tokens:
+            return hi, hi, 0.0
+        return lo, hi, (tokens - sizes[lo]) / (sizes[hi] - sizes[lo])
+
+
+class SizeChooser:
+    """Best-first growth with a stop: feed the path chance of each node as it is placed (non-increasing, as
+    best-first growth on chances <= 1 places them); ``size`` is the tree size (root included) with the best
+    expected tokens per second so far, ``worth_growing`` says whether a bigger tree could still beat it.
+
+    The bound: every node still to come has a chance <= ``next_chance`` (the best unplaced one), so a tree of
+    k nodes emits at most E(n) + (k - n) * next_chance. Between two grid sizes a < k <= b that is at most
+    E(n) + (b - n) * next_chance, over at least T(a + 1) seconds (T never decreases): one check per grid
+    segment, and the stop is never wrong.
+    """
+
+    def __init__(self, table: list[float], limit: int, grid: Sequence[int] = SIZES):
+        self.t = table
+        self.limit = min(limit, len(table) - 1)
+        self.n, self.expected = 1, 1.0
+        self.size, self.best = 1, 1.0 / table[1]
+        self.grid = sorted({g for g in grid if g < self.limit} | {self.limit})
+
+    def place(self, chance: float) -> None:
+        self.n += 1
+        self.expected += chance
+        rate = self.expected / self.t[self.n]
+        if rate > self.best:
+            self.size, self.best = self.n, rate
+
+    def worth_growing(self, next_chance: float) -> bool:
+        n, t, e = self.n, self.t, self.expected
+        if n >= self.limit:
+            return False
+        a = n
+        for b in self.grid[bisect.bisect_right(self.grid, n):]:
+            if (e + (b - n) * next_chance) / t[a + 1] > self.best:
+                return True
+            a = b
+        return False
+
+
+def best_size(chances: Sequence[float], table: list[float], limit: int) -> int:
+    """The tree size (root included) maximising expected tokens per second, for nodes whose path chances come
+    in placement order (a chain, or a template in order of decreasing chance)."""
+    chooser = SizeChooser(table, limit)
+    for c in chances[: chooser.limit - 1]:
+        chooser.place(c)
+    return chooser.size
