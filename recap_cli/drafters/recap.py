@@ -22,9 +22,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 
+import torch
+
 from ..tree import Rows, Source, Tree, Verified
 from .base import Drafter
-from .memory import KeyedMemory, NgramIndex, Row, TokenTable, row_tuples
+from .memory import KeyedMemory, NgramIndex, Row, TokenTable, check_table, row_tuples
 
 FIXED_WEIGHTS = (0.70, 0.20, 0.10)
 # Rank weights for confidence mixing: chosen on SmolLM2-135M over the text prompts of sample_inputs/bench among
@@ -97,6 +99,19 @@ class RecapDrafter(Drafter):
         self.index.reset()
         if self.calibration is not None:
             self.calibration.clear()
+
+    def state(self) -> dict:
+        """The order-1 table and the calibration counts: orders 2/3 and the suffix index reset per request."""
+        calibration = self.calibration.state() if self.calibration is not None else None
+        return {"order1": self.order1.state(), "calibration": calibration}
+
+    def load_state(self, state: dict) -> None:
+        if not isinstance(state, dict) or set(state) != {"order1", "calibration"}:
+            raise ValueError("a RECAP memory holds exactly 'order1' and 'calibration'")
+        check_table(state["order1"], self.order1.vocab_size)  # all checks first: a failure changes nothing
+        if state["calibration"] is not None and self.calibration is not None:
+            self.calibration.load_state(state["calibration"])
+        self.order1.load_state(state["order1"])
 
     # --- mixing ---------------------------------------------------------------------------------------------
 
@@ -229,6 +244,24 @@ class Calibration:
     def clear(self) -> None:
         self.hits = [[0.0] * (len(BUCKETS) + 1) for _ in range(self.width)]
         self.tries = [[0.0] * (len(BUCKETS) + 1) for _ in range(self.width)]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"hits": torch.tensor(self.hits, dtype=torch.float64),
+                "tries": torch.tensor(self.tries, dtype=torch.float64)}
+
+    def load_state(self, state: dict) -> None:
+        """Counts saved by ``state()``: same (rank, bucket) shape, finite, 0 <= hits <= tries."""
+        if not isinstance(state, dict) or set(state) != {"hits", "tries"}:
+            raise ValueError("the calibration must hold exactly 'hits' and 'tries'")
+        hits, tries = state["hits"], state["tries"]
+        shape = (self.width, len(BUCKETS) + 1)
+        if not all(isinstance(t, torch.Tensor) and t.dtype.is_floating_point and tuple(t.shape) == shape
+                   for t in (hits, tries)):
+            raise ValueError(f"the calibration counts must be two float tensors of shape {shape}")
+        finite = torch.isfinite(hits).all() and torch.isfinite(tries).all()
+        if not finite or (hits < 0).any() or (hits > tries).any():
+            raise ValueError("the calibration counts must be finite with 0 <= hits <= tries")
+        self.hits, self.tries = hits.tolist(), tries.tolist()
 
     def chance(self, rank: int, p: float) -> float:
         b = _bucket(p)
