@@ -66,7 +66,7 @@ def answer_with_tokens(session: Session | GenerateSession, req: Request, model: 
 def _answer(session: Session | GenerateSession, req: Request, model: str,
             max_new_tokens: int) -> tuple[dict, list[list[int]]]:
     adapter = session.adapter
-    images = [load_image(req.image)] if req.image is not None else []
+    images = [load_image(req.image, root=req.root)] if req.image is not None else []
     conversation = list(req.history)
     # The image belongs to the first user turn: a given one, else the first turn to answer.
     first_user = next((i for i, m in enumerate(conversation) if m["role"] == "user"), None)
@@ -97,7 +97,7 @@ def result_record(req: Request, method: str, model: str, answer: str, gens: list
     hist: Counter = sum((g.accepted_hist for g in gens), Counter())
     sources: Counter = sum((g.by_source for g in gens), Counter())
     record = {
-        "id": req.id, "answer": answer, "method": method, "model": model, "new_tokens": tokens,
+        "id": req.id, "line": req.line, "answer": answer, "method": method, "model": model, "new_tokens": tokens,
         "prefill_ms": round(1000 * prefill, 3), "decode_ms": round(1000 * decode, 3),
         "tokens_per_s": round(tokens / (prefill + decode), 3) if prefill + decode else 0.0,
         "steps": steps, "turns": len(gens),
@@ -115,7 +115,7 @@ def result_record(req: Request, method: str, model: str, answer: str, gens: list
 
 
 def error_record(req: Request, method: str, model: str, error: str) -> dict:
-    record = {"id": req.id, "answer": None, "method": method, "model": model, "error": error}
+    record = {"id": req.id, "line": req.line, "answer": None, "method": method, "model": model, "error": error}
     if req.dataset is not None:
         record["dataset"] = req.dataset
     return record

@@ -13,17 +13,20 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import compare as comparison
-from . import records, report
+from . import records, report, safety
 from .batch import Totals, answer
 from .drafters import METHODS
 from .models import REGISTRY, ModelError, load
-from .session import Session
+from .session import MemoryFileError, Session
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Lossless speculative decoding for image captioning and VQA with vision-language models.")
 err = Console(stderr=True)
 
 EXIT_OK, EXIT_FAILED_RECORDS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+# 128 + the signal number, what a shell reports for a process that signal ended: `timeout`, systemd and
+# `set -o pipefail` then read a SIGTERM or a closed stdout (SIGPIPE) as usual, not as success or failed records.
+EXIT_CLOSED_STDOUT, EXIT_TERMINATED = 141, 143
 
 
 def fail(message: str) -> None:
@@ -44,12 +47,18 @@ def run(
     model: str = typer.Option("demo", "--model", "-m", help="short name, hub repo id or local directory"),
     method: str = typer.Option("recap", help=f"decoding method: {', '.join(METHODS)}"),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="write JSONL here instead of stdout"),
-    max_new_tokens: int = typer.Option(200, min=1, help="default per request (a record may set its own)"),
+    root: Optional[Path] = typer.Option(None, help="folder relative image paths start from "
+                                        "[default: the input file's folder; the working directory for stdin]"),
+    max_new_tokens: int = typer.Option(200, min=1, help="per request, and the most a record's own "
+                                       "max_new_tokens gets (the model's context length caps both)"),
+    allow_longer: bool = typer.Option(False, help="let a record's own max_new_tokens go past --max-new-tokens"),
     device: str = typer.Option("auto", help="auto, cpu or cuda"),
     dtype: str = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32"),
     attn: str = typer.Option("sdpa", help="attention kernel: sdpa or eager"),
     memory: Optional[Path] = typer.Option(None, help="load the persistent draft memory from here; save it at the end"),
-    resume: bool = typer.Option(False, help="skip ids already in --output and append"),
+    memory_cold_on_error: bool = typer.Option(False, help="start cold (with a warning) when --memory cannot be "
+                                              "read, instead of stopping; the run's end overwrites it"),
+    resume: bool = typer.Option(False, help="skip lines already answered in --output (same line and id); append"),
     summary: Optional[Path] = typer.Option(None, help="also write the end-of-run summary here as JSON"),
     budget: Optional[str] = typer.Option(None, help="draft nodes per step: auto (sized by measured step cost, "
                                          "the default for recap and pld), or a number; tr: auto or its template"),
@@ -66,7 +75,12 @@ def run(
         fail(f"unknown method '{method}': use one of {', '.join(METHODS)}")
     if resume and output is None:
         fail("--resume needs --output (the file to resume)")
+    _check_paths(inputs, output=output, summary=summary, memory=memory)
     source, base, total = _open_inputs(inputs)
+    if root is not None:
+        if not root.is_dir():
+            fail(f"--root {root} is not a folder")
+        base = root.resolve()
     knobs = _recap_knobs(method, depth=depth, mixing=mixing, orders=orders, suffix=suffix, calibrate=calibrate)
     if budget is not None:
         knobs["budget"] = _budget(method, budget)
@@ -81,31 +95,56 @@ def run(
     if memory is not None and memory.is_file():
         try:
             session.load_memory(memory)
-        except (ValueError, RuntimeError, OSError) as exc:
-            fail(f"cannot load memory {memory}: {exc}")
-    skip = records.done_ids(output) if resume and output is not None else set()
+        except MemoryFileError as exc:
+            if not memory_cold_on_error:
+                fail(f"cannot load memory: {exc} (--memory-cold-on-error starts cold and overwrites it)")
+            err.print(f"[yellow]warning:[/] cannot load memory: {exc}; starting cold, the end of the run "
+                      "overwrites it", highlight=False)
+    skip, unnumbered = records.answered(output) if resume and output is not None else (set(), 0)
+    if unnumbered:
+        err.print(f"[yellow]warning:[/] {unnumbered} records in {output} carry no line number (an older recap "
+                  "wrote them): their lines are answered again", highlight=False)
     totals = Totals()
-    interrupted = False
-    with (open(output, "ab" if resume else "wb") if output else nullcontext(sys.stdout.buffer)) as sink, \
+    stop = None  # the exit code of a run that did not reach the end of its input
+    capped = False
+    with safety.terminate_as_interrupt(), \
+            (open(output, "ab" if resume else "wb") if output else nullcontext(sys.stdout.buffer)) as sink, \
             _progress(total) as progress:
         task = progress.add_task("answering", total=total)
         try:
-            for req in _requests(source, base):
-                if str(req.id) in skip:
+            for req in records.read(source, base):
+                if records.answer_key(req) in skip:
                     progress.advance(task)
                     continue
+                if records.cap_new_tokens(req, max_new_tokens, allow_longer) and not capped:
+                    capped = True
+                    err.print(f"line {req.line} asks for more than --max-new-tokens {max_new_tokens}: capped "
+                              "(--allow-longer lets records go past it)", highlight=False)
                 record = answer(session, req, model, max_new_tokens)
                 _write(sink, record)
                 totals.add(record)
                 progress.advance(task)
-        except KeyboardInterrupt:
-            interrupted = True  # the request in flight is dropped; every written line is whole
+        except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the request in flight is dropped; lines stay whole
+            stop = EXIT_TERMINATED if isinstance(exc, safety.Terminated) else EXIT_INTERRUPTED
+        except BrokenPipeError:  # the reader of stdout went away (`| head`): nobody can take more answers
+            safety.silence_stdout()
+            stop = EXIT_CLOSED_STDOUT
     if memory is not None and session.save_memory(memory):
         err.print(f"memory saved to {memory}")
-    _report(totals, summary, interrupted)
-    if interrupted:
-        raise typer.Exit(EXIT_INTERRUPTED)
+    _report(totals, summary, stop)
+    if stop is not None:
+        raise typer.Exit(stop)
     raise typer.Exit(EXIT_FAILED_RECORDS if totals.errors else EXIT_OK)
+
+
+def _check_paths(inputs: str, **targets: Path | None) -> None:
+    """Refuse, before the model loads, every path the run would write but cannot, or must not (the input)."""
+    named = {f"--{flag}" if flag != "output" else "-o": path for flag, path in targets.items()}
+    problem = safety.clashes(Path(inputs) if inputs != "-" else None, named)
+    for flag, path in named.items():
+        problem = problem or (safety.unwritable(path, flag) if path is not None else None)
+    if problem:
+        fail(problem)
 
 
 @app.command()
@@ -198,12 +237,7 @@ def _open_inputs(inputs: str) -> tuple[IO[bytes], Path, int | None]:
 
 
 def _requests(source: IO[bytes], base: Path) -> Iterator[records.Request]:
-    line_no = 0
-    with source:
-        for raw in source:
-            line_no += 1
-            if raw.strip():
-                yield records.parse_line(raw, line_no, base)
+    return records.read(source, base)
 
 
 def _recap_knobs(method: str, **given) -> dict:
@@ -235,9 +269,13 @@ def _progress(total: int | None) -> Progress:
                     TimeElapsedColumn(), console=err, transient=False, disable=not err.is_terminal)
 
 
-def _report(totals: Totals, summary: Path | None, interrupted: bool) -> None:
+STOPS = {EXIT_INTERRUPTED: "interrupted", EXIT_TERMINATED: "terminated", EXIT_CLOSED_STDOUT: "stdout closed"}
+
+
+def _report(totals: Totals, summary: Path | None, stop: int | None) -> None:
     s = totals.summary()
-    note = " (interrupted)" if interrupted else ""
+    interrupted = stop is not None
+    note = f" ({STOPS[stop]})" if interrupted else ""
     err.print(f"{s['items']} items, {s['errors']} errors, {s['new_tokens']} tokens, "
               f"{s['tokens_per_s']:.1f} tokens/s, mean accepted {s['mean_accepted']:.2f}{note}", highlight=False)
     if summary is not None:

@@ -25,7 +25,7 @@ def _on_off(value: str) -> bool:
 
 
 KNOB_PARSERS: dict[str, Callable[[str], object]] = {
-    "mixing": str, "budget": lambda v: v if v == "auto" else int(v), "depth": int, "width": int, "top_k": int, "suffix_len": int,
+    "mixing": str, "budget": str, "depth": int, "width": int, "top_k": int, "suffix_len": int,
     "suffix": _on_off, "calibrate": _on_off,
     "orders": lambda v: tuple(int(c) for c in v),
 }
@@ -70,7 +70,7 @@ def parse_method(spec: str) -> tuple[str, dict]:
     if knobs and name != "recap" and (set(knobs) != {"budget"} or name not in ("tr", "pld")):
         raise ValueError(f"'{spec}': only recap has variants (tr and pld take budget)")
     if "budget" in knobs:
-        knobs["budget"] = parse_budget(name, str(knobs["budget"]))
+        knobs["budget"] = parse_budget(name, knobs["budget"])
     return name, knobs
 
 

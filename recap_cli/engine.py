@@ -203,7 +203,7 @@ class Generation:
 
     tokens: list[int] = field(default_factory=list)
     steps: int = 0
-    accepted_hist: Counter = field(default_factory=Counter)  # drafted tokens accepted per step -> steps
+    accepted_hist: Counter = field(default_factory=Counter)  # drafted tokens emitted per step -> steps
     by_source: Counter = field(default_factory=Counter)  # Source name -> emitted tokens
     tree_nodes: int = 0
     prefill_s: float = 0.0
@@ -216,8 +216,9 @@ class Generation:
 
     @property
     def mean_accepted(self) -> float:
-        """Tokens emitted per verification step (accepted drafts + the bonus), the paper's acceptance length."""
-        return (sum((k + 1) * v for k, v in self.accepted_hist.items()) / self.steps) if self.steps else 0.0
+        """Tokens emitted per verification step (accepted drafts + the bonus), the paper's acceptance length;
+        the first token comes from prefill, not from a step."""
+        return (len(self.tokens) - 1) / self.steps if self.steps else 0.0
 
 
 def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int) -> Generation:
@@ -263,12 +264,14 @@ def _commit(gen: Generation, tree: Tree, verified: Verified, eos: set[int],
     new.append((verified.bonus, Source.BONUS.name))
     gen.steps += 1
     gen.tree_nodes += len(tree)
-    gen.accepted_hist[len(verified.path) - 1] += 1
-    added = []
+    added, done = [], False
     for token, source in new:
         added.append(token)
         gen.tokens.append(token)
         gen.by_source[source] += 1
         if token in eos or len(gen.tokens) >= max_new_tokens:
-            return added, True
-    return added, False
+            done = True
+            break
+    # Drafted tokens that were emitted: an EOS or the token limit inside the path cuts the rest (and the bonus).
+    gen.accepted_hist[min(len(added), len(new) - 1)] += 1
+    return added, done

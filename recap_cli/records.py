@@ -6,12 +6,15 @@ error, so every input line yields exactly one output line.
 
 from __future__ import annotations
 
+import codecs
+import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import orjson
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .adapters import Message
 
@@ -26,6 +29,7 @@ class Request:
     line: int
     id: Any
     image: Path | None = None
+    root: Path | None = None  # where a relative image path was resolved; None for an absolute one
     turns: list[str] = field(default_factory=list)
     history: list[Message] = field(default_factory=list)
     max_new_tokens: int | None = None
@@ -33,8 +37,20 @@ class Request:
     error: str | None = None
 
 
+def read(source: IO[bytes], base: Path) -> Iterator[Request]:
+    """Every non-blank line of a JSONL stream as a Request, numbered from 1; a UTF-8 byte order mark (what some
+    Windows editors write) is not part of line 1."""
+    with source:
+        for line_no, raw in enumerate(source, start=1):
+            if line_no == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)
+            if raw.strip():
+                yield parse_line(raw, line_no, base)
+
+
 def parse_line(raw: bytes, line: int, base: Path) -> Request:
-    """Validate one JSONL line; relative image paths resolve against the JSONL file's folder."""
+    """Validate one JSONL line; relative image paths resolve against ``base`` (the JSONL file's folder or
+    ``--root``)."""
     try:
         rec = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -58,7 +74,9 @@ def _fill(req: Request, rec: dict, base: Path) -> None:
         if not isinstance(image, str) or not image.strip():
             raise ValueError("'image' must be a file path (string) or null")
         path = Path(image).expanduser()
-        req.image = path if path.is_absolute() else base / path
+        if not path.is_absolute():
+            req.root, path = base, base / path
+        req.image = path
     dataset = rec.get("dataset")
     if dataset is not None and not isinstance(dataset, str):
         raise ValueError("'dataset' must be a string")
@@ -104,20 +122,30 @@ def _conversation(messages: Any) -> tuple[list[Message], list[str]]:
     return history, [m["content"] for m in tail]
 
 
-def load_image(path: Path, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
-    """An RGB image, or a ValueError that says what is wrong with the file."""
+def load_image(path: Path, max_pixels: int = MAX_IMAGE_PIXELS, root: Path | None = None) -> Image.Image:
+    """An RGB image the way it is meant to be seen (EXIF orientation applied: phone photos are stored sideways),
+    or a ValueError that says what is wrong with the file; ``root`` is where a relative path was resolved."""
     if not path.is_file():
-        raise ValueError(f"image not found: {path}")
+        where = f" (a relative path, resolved against {root}; --root sets that folder)" if root is not None else ""
+        raise ValueError(f"image not found: {path}{where}")
     try:
         with Image.open(path) as img:
             w, h = img.size  # read from the header: a huge image is refused before it is decoded
             if w * h > max_pixels:
                 raise ValueError(f"image too large: {w}x{h} pixels (limit {max_pixels})")
-            return img.convert("RGB")
+            return _upright(img).convert("RGB")
     except (UnidentifiedImageError, Image.DecompressionBombError) as exc:
         raise ValueError(f"cannot read image {path}: {exc}") from exc
     except OSError as exc:
         raise ValueError(f"cannot read image {path}: {exc}") from exc
+
+
+def _upright(img: Image.Image) -> Image.Image:
+    """The image turned as its EXIF orientation says; a damaged EXIF block leaves it as stored."""
+    try:
+        return ImageOps.exif_transpose(img)
+    except (SyntaxError, ValueError, TypeError, KeyError, IndexError, struct.error):
+        return img
 
 
 def user_message(text: str, with_image: bool) -> Message:
@@ -143,18 +171,40 @@ def dumps(record: dict) -> bytes:
     return orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS) + b"\n"
 
 
-def done_ids(output: Path) -> set[str]:
-    """Ids already in an output file (for --resume), after cutting a torn last line left by a crash."""
+def cap_new_tokens(req: Request, ceiling: int, allow_longer: bool) -> bool:
+    """Hold a record's own ``max_new_tokens`` to the run's ceiling unless the user allowed longer; True when it
+    was cut. (The model's context length caps every request anyway, in the session.)"""
+    if allow_longer or req.max_new_tokens is None or req.max_new_tokens <= ceiling:
+        return False
+    req.max_new_tokens = ceiling
+    return True
+
+
+def answer_key(req: Request) -> tuple[int, bytes]:
+    """What --resume matches on: the input line and its id. The line alone is unique by construction; the id
+    guards against an input file edited between runs; ids alone repeat, and a line without one takes its
+    number, which another line may use as an explicit id."""
+    return req.line, orjson.dumps(req.id)
+
+
+def answered(output: Path) -> tuple[set[tuple[int, bytes]], int]:
+    """(line, id) keys of the records already in an output file (for --resume), after cutting a torn last line
+    left by a crash, and the number of records without a line number (from an older recap; answered again)."""
     if not output.is_file():
-        return set()
+        return set(), 0
     data = output.read_bytes()
     if data and not data.endswith(b"\n"):
         data = data[: data.rfind(b"\n") + 1]
         output.write_bytes(data)
-    ids = set()
+    keys, unnumbered = set(), 0
     for raw in data.splitlines():
         try:
-            ids.add(str(orjson.loads(raw)["id"]))
-        except (orjson.JSONDecodeError, KeyError, TypeError):
+            rec = orjson.loads(raw)
+            line = rec.get("line")
+            if isinstance(line, int) and "id" in rec:
+                keys.add((line, orjson.dumps(rec["id"])))
+            else:
+                unnumbered += 1
+        except (orjson.JSONDecodeError, AttributeError):
             continue
-    return ids
+    return keys, unnumbered

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import glob
 import os
-import tempfile
+import re
 import time
 from pathlib import Path
 
 import torch
 from PIL import Image
 
-from .adapters import Adapter, Message
-from .drafters import make_drafter
+from .adapters import Adapter, Message, Prompt
+from .drafters import Drafter, make_drafter
 from .engine import Engine, Generation, generate
+from .records import first_line
+
+MEMORY_FORMAT, MEMORY_VERSION = "recap-memory", 2
+
+
+class MemoryFileError(ValueError):
+    """A --memory file that cannot be used; the message is one sentence for the user."""
 
 
 class Session:
@@ -33,44 +41,84 @@ class Session:
 
     def answer(self, messages: list[Message], images: list[Image.Image], max_new_tokens: int) -> Generation:
         prompt = self.adapter.build(messages, images)
-        return generate(self.engine, prompt, self.drafter, max_new_tokens)
+        return generate(self.engine, prompt, self.drafter, fit_context(self.adapter, prompt, max_new_tokens))
 
     def reset_memory(self) -> None:
         self.drafter.reset()
 
     def save_memory(self, path: Path) -> bool:
-        """Write the persistent memory atomically (temp file + rename); False when the method keeps none."""
-        table = _persistent_table(self.drafter)
-        if table is None:
+        """Write everything that makes a later run warm (the drafter's ``state()``), atomically: a fixed temp
+        name + rename, so a kill mid-save leaves at most one temp file, which the next save replaces. False when
+        the method keeps nothing across requests."""
+        state = self.drafter.state()
+        if state is None:
             return False
         path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.")
-        os.close(fd)
+        tmp = path.with_name(f".{path.name}.tmp")
+        _remove_stale_temps(path)
         try:
-            torch.save({"method": self.method, "model": self._fingerprint(), **table.state()}, tmp)
+            torch.save({"format": MEMORY_FORMAT, "version": MEMORY_VERSION, "method": self.method,
+                        "model": self._fingerprint(), "state": state}, tmp)
             os.replace(tmp, path)
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            tmp.unlink(missing_ok=True)
         return True
 
     def load_memory(self, path: Path) -> None:
-        table = _persistent_table(self.drafter)
-        if table is None:
+        """Bring back a saved state, or raise MemoryFileError saying what is wrong; nothing changes on failure."""
+        if type(self.drafter).state is Drafter.state:  # a method that keeps nothing across requests
             return
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if state.get("model") != self._fingerprint():
-            raise ValueError(f"it was saved for model {state.get('model')}, not {self._fingerprint()}")
-        table.load_state(state)
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - empty, truncated, random bytes, pickles of other things
+            raise MemoryFileError(f"{path} is not a recap memory file ({type(exc).__name__}: "
+                                  f"{first_line(exc)})") from exc
+        if not isinstance(saved, dict) or saved.get("format") != MEMORY_FORMAT:
+            old = isinstance(saved, dict) and {"ids", "probs"} <= set(saved)
+            raise MemoryFileError(f"{path} was written by an older recap (order-1 table only, no format version)"
+                                  if old else f"{path} is not a recap memory file")
+        if saved.get("version") != MEMORY_VERSION:
+            raise MemoryFileError(f"{path} has memory format version {saved.get('version')!r}; this recap reads "
+                                  f"version {MEMORY_VERSION}")
+        if saved.get("method") != self.method:
+            raise MemoryFileError(f"{path} was saved by --method {saved.get('method')}, not {self.method}")
+        if saved.get("model") != self._fingerprint():
+            raise MemoryFileError(f"{path} was saved for model {saved.get('model')}, not {self._fingerprint()}")
+        try:
+            self.drafter.load_state(saved.get("state"))
+        except ValueError as exc:
+            raise MemoryFileError(f"{path} is damaged: {exc}") from exc
 
     def _fingerprint(self) -> str:
         """Memories hold token ids: they only mean something to a model with the same architecture and vocabulary."""
         return f"{self.adapter.model.config.model_type}/{self.adapter.vocab_size}"
 
 
-def _persistent_table(drafter):
-    """The drafter's memory that outlives a request: RECAP's order-1 table or Token Recycling's matrix."""
-    return getattr(drafter, "order1", None) or getattr(drafter, "table", None)
+def max_positions(adapter: Adapter) -> int | None:
+    """How many positions the language model was built for (None when its config does not say): in the text
+    config of Qwen2.5-VL and LLaVA-NeXT, at the top of a text model's."""
+    return getattr(adapter.model.config.get_text_config(), "max_position_embeddings", None)
+
+
+def fit_context(adapter: Adapter, prompt: Prompt, max_new_tokens: int) -> int:
+    """The new tokens a request may have: prompt + new tokens fit the model's positions (past them a model
+    answers garbage, and a huge limit never ends). A prompt that fits alone is a ValueError: that record fails."""
+    limit = max_positions(adapter)
+    if limit is None:
+        return max_new_tokens
+    if prompt.length >= limit:
+        raise ValueError(f"the prompt is {prompt.length} tokens and the model reads at most {limit} "
+                         "(prompt + new tokens): shorten it")
+    return min(max_new_tokens, limit - prompt.length)
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Temp files of saves that were killed: ours (``.NAME.tmp``) and those of older recaps (``.NAME.`` + 8
+    random characters, from tempfile.mkstemp)."""
+    stale = re.compile(re.escape(f".{path.name}.") + r"(tmp|[a-z0-9_]{8})")
+    for p in path.parent.glob(f".{glob.escape(path.name)}.*"):
+        if stale.fullmatch(p.name) and p.is_file():
+            p.unlink(missing_ok=True)
 
 
 class GenerateSession:
@@ -85,6 +133,7 @@ class GenerateSession:
 
     def answer(self, messages: list[Message], images: list[Image.Image], max_new_tokens: int) -> Generation:
         prompt = self.adapter.build(messages, images)
+        max_new_tokens = fit_context(self.adapter, prompt, max_new_tokens)
         # Pure greedy: checkpoints such as Qwen2.5-VL ship a repetition penalty in their generation config.
         kw = dict(max_new_tokens=max_new_tokens, do_sample=False, repetition_penalty=1.0)
         if self.method == "hf-pld":

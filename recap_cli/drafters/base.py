@@ -32,3 +32,11 @@ class Drafter:
 
     def reset(self) -> None:
         """Forget everything, including what persists across requests (between datasets in a comparison)."""
+
+    def state(self) -> dict | None:
+        """Everything that carries over from one request to the next (what makes a later run warm), as tensors
+        and plain values for ``torch.save``; None when nothing does."""
+        return None
+
+    def load_state(self, state: dict) -> None:
+        """Take back what ``state`` gave, validated: a ValueError with one sentence when it does not fit."""

@@ -8,6 +8,8 @@ a tree at its root. Estimates start at a guess worth ``prior`` observations.
 
 from __future__ import annotations
 
+import torch
+
 BUCKETS = (0.5, 0.8, 0.95)  # remembered probability -> bucket 0..3
 
 
@@ -15,18 +17,46 @@ def bucket(p: float) -> int:
     return 3 if p >= 0.95 else 2 if p >= 0.8 else 1 if p >= 0.5 else 0
 
 
-class Calibration:
+class Counts:
+    """Hits and tries in a (rows, cols) grid of evidence classes; saved and loaded with a run's memory."""
+
+    def __init__(self, rows: int, cols: int):
+        self.shape = (rows, cols)
+        self.clear()
+
+    def clear(self) -> None:
+        self.hits = [[0.0] * self.shape[1] for _ in range(self.shape[0])]
+        self.tries = [[0.0] * self.shape[1] for _ in range(self.shape[0])]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"hits": torch.tensor(self.hits, dtype=torch.float64),
+                "tries": torch.tensor(self.tries, dtype=torch.float64)}
+
+    def check_state(self, state) -> None:
+        """A ValueError unless ``state`` is what ``state()`` gives: same shape, finite, 0 <= hits <= tries."""
+        if not isinstance(state, dict) or set(state) != {"hits", "tries"}:
+            raise ValueError("the calibration must hold exactly 'hits' and 'tries'")
+        hits, tries = state["hits"], state["tries"]
+        if not all(isinstance(t, torch.Tensor) and t.dtype.is_floating_point and tuple(t.shape) == self.shape
+                   for t in (hits, tries)):
+            raise ValueError(f"the calibration counts must be two float tensors of shape {self.shape}")
+        finite = torch.isfinite(hits).all() and torch.isfinite(tries).all()
+        if not finite or (hits < 0).any() or (hits > tries).any():
+            raise ValueError("the calibration counts must be finite with 0 <= hits <= tries")
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.check_state(state)
+        self.hits, self.tries = state["hits"].tolist(), state["tries"].tolist()
+
+
+class Calibration(Counts):
     """P(a recycled candidate is accepted | its node was) per (rank among the node's candidates, bucket of the
     remembered probability), starting at the remembered probability itself. A remembered probability is the
     model's confidence in an *earlier* context, so it overrates recycled tokens where contexts alias."""
 
     def __init__(self, width: int, prior: float = 4.0):
         self.width, self.prior = width, prior
-        self.clear()
-
-    def clear(self) -> None:
-        self.hits = [[0.0] * (len(BUCKETS) + 1) for _ in range(self.width)]
-        self.tries = [[0.0] * (len(BUCKETS) + 1) for _ in range(self.width)]
+        super().__init__(width, len(BUCKETS) + 1)
 
     def chance(self, rank: int, p: float) -> float:
         b = bucket(p)
@@ -38,18 +68,14 @@ class Calibration:
         self.hits[rank][b] += hit
 
 
-class ChainCalibration:
+class ChainCalibration(Counts):
     """P(the j-th token of a continuation found earlier in the text is accepted | the tokens before it were),
     per (length of the match that found it, j), both capped. A long match continues reliably, a one-token
     match rarely; the first token of a continuation is the riskiest, later ones ride on its success."""
 
     def __init__(self, guess: float = 0.5, prior: float = 4.0, max_n: int = 4, max_j: int = 8):
         self.guess, self.prior, self.max_n, self.max_j = guess, prior, max_n, max_j
-        self.clear()
-
-    def clear(self) -> None:
-        self.hits = [[0.0] * (self.max_j + 1) for _ in range(self.max_n + 1)]
-        self.tries = [[0.0] * (self.max_j + 1) for _ in range(self.max_n + 1)]
+        super().__init__(max_n + 1, max_j + 1)
 
     def chance(self, n: int, j: int) -> float:
         n, j = min(n, self.max_n), min(j, self.max_j)

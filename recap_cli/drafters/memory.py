@@ -52,13 +52,38 @@ class TokenTable:
         return {"ids": ids, "probs": probs}
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Take back ``state()``'s tensors after checking every property drafting relies on."""
+        check_table(state, self.vocab_size)
         ids, probs = state["ids"], state["probs"]
-        if ids.shape[0] != self.vocab_size:
-            raise ValueError(f"memory is for a vocabulary of {ids.shape[0]} tokens, the model has {self.vocab_size}")
         self.clear()
-        for t in (ids[:, 0] >= 0).nonzero().flatten().tolist():
-            n = int((ids[t] >= 0).sum())
-            self.rows[t] = (tuple(ids[t, :n].tolist()), tuple(probs[t, :n].tolist()))
+        counts = (ids >= 0).sum(1).tolist()
+        for t, (row_ids, row_probs) in enumerate(zip(ids.tolist(), probs.tolist())):
+            if counts[t]:
+                self.rows[t] = (tuple(row_ids[: counts[t]]), tuple(row_probs[: counts[t]]))
+
+
+def check_table(state, vocab_size: int) -> None:
+    """A ValueError naming the first thing wrong with a saved table (ids padded with -1 at the end of each row,
+    probabilities in [0, 1] beside them), so a damaged file fails at load, not at the first request."""
+    if not isinstance(state, dict) or set(state) != {"ids", "probs"}:
+        raise ValueError("the token table must hold exactly 'ids' and 'probs'")
+    ids, probs = state["ids"], state["probs"]
+    if not isinstance(ids, torch.Tensor) or not isinstance(probs, torch.Tensor):
+        raise ValueError("the token table's 'ids' and 'probs' must be tensors")
+    if ids.dtype not in (torch.int32, torch.int64) or not probs.dtype.is_floating_point:
+        raise ValueError(f"the token table has ids of {ids.dtype} and probabilities of {probs.dtype}")
+    if ids.dim() != 2 or ids.shape != probs.shape or ids.shape[1] < 1:
+        raise ValueError(f"the token table's ids {tuple(ids.shape)} and probabilities {tuple(probs.shape)} "
+                         "must be two equal (vocabulary, k) shapes")
+    if ids.shape[0] != vocab_size:
+        raise ValueError(f"memory is for a vocabulary of {ids.shape[0]} tokens, the model has {vocab_size}")
+    if ids.numel() and (ids.min() < -1 or ids.max() >= vocab_size):
+        raise ValueError(f"the token table holds token ids outside the vocabulary (0..{vocab_size - 1})")
+    present = ids >= 0
+    if (present[:, 1:] & ~present[:, :-1]).any():
+        raise ValueError("the token table has a gap (-1) inside a row")
+    if not torch.isfinite(probs).all() or (probs < 0).any() or (probs > 1).any():
+        raise ValueError("the token table holds probabilities outside [0, 1]")
 
 
 class KeyedMemory:

@@ -57,3 +57,12 @@ class PromptLookupDrafter(Drafter):
 
     def reset(self) -> None:
         self.calibration.clear()
+
+    def state(self) -> dict:
+        """The learned chances of continuations: what makes a later run cut its chains well from the start."""
+        return {"calibration": self.calibration.state()}
+
+    def load_state(self, state: dict) -> None:
+        if not isinstance(state, dict) or set(state) != {"calibration"}:
+            raise ValueError("a prompt-lookup memory holds exactly one 'calibration'")
+        self.calibration.load_state(state["calibration"])

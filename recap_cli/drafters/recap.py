@@ -31,7 +31,7 @@ from ..cost import SizeChooser
 from ..tree import Rows, Source, Tree, Verified
 from .base import Drafter
 from .calibration import Calibration, ChainCalibration
-from .memory import KeyedMemory, NgramIndex, Row, TokenTable, row_tuples
+from .memory import KeyedMemory, NgramIndex, Row, TokenTable, check_table, row_tuples
 
 FIXED_WEIGHTS = (0.70, 0.20, 0.10)
 # Rank weights for confidence mixing: chosen on SmolLM2-135M over the text prompts of sample_inputs/bench among
@@ -135,6 +135,24 @@ class RecapDrafter(Drafter):
         self.continuation.clear()
         if self.calibration is not None:
             self.calibration.clear()
+
+    def state(self) -> dict:
+        """The order-1 table and the learned chances (recycled rows, suffix continuations): orders 2/3 and the
+        suffix index reset per request."""
+        calibration = self.calibration.state() if self.calibration is not None else None
+        return {"order1": self.order1.state(), "calibration": calibration, "continuation": self.continuation.state()}
+
+    def load_state(self, state: dict) -> None:
+        if not isinstance(state, dict) or set(state) != {"order1", "calibration", "continuation"}:
+            raise ValueError("a RECAP memory holds exactly 'order1', 'calibration' and 'continuation'")
+        check_table(state["order1"], self.order1.vocab_size)  # all checks first: a failure changes nothing
+        self.continuation.check_state(state["continuation"])
+        use_calibration = state["calibration"] is not None and self.calibration is not None
+        if use_calibration:
+            self.calibration.check_state(state["calibration"])
+            self.calibration.load_state(state["calibration"])
+        self.continuation.load_state(state["continuation"])
+        self.order1.load_state(state["order1"])
 
     # --- mixing ---------------------------------------------------------------------------------------------
 

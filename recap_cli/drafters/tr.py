@@ -97,3 +97,11 @@ class TokenRecyclingDrafter(Drafter):
 
     def reset(self) -> None:
         self.table.clear()
+
+    def state(self) -> dict:
+        return {"table": self.table.state()}
+
+    def load_state(self, state: dict) -> None:
+        if not isinstance(state, dict) or set(state) != {"table"}:
+            raise ValueError("a Token Recycling memory holds exactly one 'table'")
+        self.table.load_state(state["table"])

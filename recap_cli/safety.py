@@ -1,0 +1,83 @@
+"""What keeps a run from losing data: path checks made before the model loads, and stops (SIGTERM, a closed
+stdout) that end a run the way Ctrl-C does, with the memory saved and the summary printed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be, so both take the same way out."""
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """True when writing ``b`` would overwrite ``a``: the same inode (symlinks and hard links included), or the
+    same resolved path when one of them does not exist yet."""
+    try:
+        sa, sb = a.stat(), b.stat()
+    except OSError:
+        return a.resolve() == b.resolve()
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def clashes(inputs: Path | None, targets: dict[str, Path | None]) -> str | None:
+    """The sentence saying which file would overwrite the input or another output, or None."""
+    named = [(flag, path) for flag, path in targets.items() if path is not None]
+    for i, (flag, path) in enumerate(named):
+        if inputs is not None and same_file(inputs, path):
+            return f"{flag} {path} is the input file: writing it would destroy the requests; pick another path"
+        for other_flag, other in named[i + 1:]:
+            if same_file(path, other):
+                return f"{flag} and {other_flag} name the same file ({path}); pick two paths"
+    return None
+
+
+def unwritable(path: Path, flag: str) -> str | None:
+    """The sentence saying why ``path`` cannot be written, or None. Checked before the model loads, so a typo
+    in a path costs neither a model load nor a whole run's answers."""
+    if path.is_dir():
+        return f"{flag} {path} is a folder, not a file"
+    folder = path.parent
+    if not folder.is_dir():
+        return f"{flag} {path}: the folder {folder} does not exist"
+    if path.exists() and not os.access(path, os.W_OK):
+        return f"{flag} {path} is read-only"
+    if not path.exists() and not os.access(folder, os.W_OK | os.X_OK):
+        return f"{flag} {path}: the folder {folder} is read-only"
+    return None
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """While inside, SIGTERM raises ``Terminated`` (a KeyboardInterrupt); the previous handler comes back after,
+    so a second SIGTERM during the final memory save ends the process at once."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread: signals cannot be handled here
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
+def silence_stdout() -> None:
+    """After the reader of stdout went away, point stdout at /dev/null so the interpreter's final flush does not
+    print "Exception ignored ... BrokenPipeError" (what the Python docs advise for SIGPIPE)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (e.g. a test runner's buffer)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
