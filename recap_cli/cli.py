@@ -142,7 +142,7 @@ def _check_paths(inputs: str, **targets: Path | None) -> None:
     named = {f"--{flag}" if flag != "output" else "-o": path for flag, path in targets.items()}
     problem = safety.clashes(Path(inputs) if inputs != "-" else None, named)
     for flag, path in named.items():
-        problem = problem or (safety.unwritable(path, flag) if path is not None else None)
+        problem = problem or (safety.unwritable(path, flag, atomic=flag == "--memory") if path else None)
     if problem:
         fail(problem)
 

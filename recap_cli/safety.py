@@ -37,9 +37,10 @@ def clashes(inputs: Path | None, targets: dict[str, Path | None]) -> str | None:
     return None
 
 
-def unwritable(path: Path, flag: str) -> str | None:
+def unwritable(path: Path, flag: str, atomic: bool = False) -> str | None:
     """The sentence saying why ``path`` cannot be written, or None. Checked before the model loads, so a typo
-    in a path costs neither a model load nor a whole run's answers."""
+    in a path costs neither a model load nor a whole run's answers. An ``atomic`` write (temp file + rename)
+    needs a writable folder even when the file exists."""
     if path.is_dir():
         return f"{flag} {path} is a folder, not a file"
     folder = path.parent
@@ -47,7 +48,7 @@ def unwritable(path: Path, flag: str) -> str | None:
         return f"{flag} {path}: the folder {folder} does not exist"
     if path.exists() and not os.access(path, os.W_OK):
         return f"{flag} {path} is read-only"
-    if not path.exists() and not os.access(folder, os.W_OK | os.X_OK):
+    if (atomic or not path.exists()) and not os.access(folder, os.W_OK | os.X_OK):
         return f"{flag} {path}: the folder {folder} is read-only"
     return None
 

@@ -95,6 +95,20 @@ def test_unwritable_targets_are_refused_before_the_model_loads(workdir, monkeypa
     assert r.exit_code == 2 and "--summary" in said(r)
 
 
+def test_read_only_places_are_named(tmp_path, monkeypatch):
+    """What the skipped test below checks for real, where root's writes would pass anyway."""
+    from recap_cli import safety
+
+    (tmp_path / "there.pt").write_bytes(b"")
+    monkeypatch.setattr(safety.os, "access", lambda path, mode: False)
+    assert "folder" in safety.unwritable(tmp_path / "new.jsonl", "-o") and "read-only" in \
+        safety.unwritable(tmp_path / "new.jsonl", "-o")
+    assert safety.unwritable(tmp_path / "there.pt", "--memory", atomic=True).endswith("is read-only")
+    monkeypatch.setattr(safety.os, "access", lambda path, mode: Path(path) != tmp_path)
+    assert safety.unwritable(tmp_path / "there.pt", "-o") is None
+    assert "folder" in safety.unwritable(tmp_path / "there.pt", "--memory", atomic=True)
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_read_only_folder_is_refused(workdir, monkeypatch):
     no_model_load(monkeypatch)
