@@ -210,6 +210,9 @@ def _loaded(model: str, offline: bool, **how):
         return adapter
     except ModelError as exc:
         fail(str(exc))
+    except KeyboardInterrupt:
+        err.print("interrupted before any request was answered (a download resumes on the next run)")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 def _session(adapter, method: str, knobs: dict, compiled: bool) -> Session:

@@ -147,11 +147,13 @@ def download(repo: str) -> str:
 
 @contextmanager
 def _hub_progress(show: bool) -> Iterator[None]:
-    """huggingface_hub's download bars on or off for one download, then as they were."""
+    """huggingface_hub's download bars on or off for one download, then as they were (HF_HUB_DISABLE_PROGRESS_BARS
+    keeps them off)."""
+    from huggingface_hub import constants
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     was_disabled = are_progress_bars_disabled()
-    (enable_progress_bars if show else disable_progress_bars)()
+    (enable_progress_bars if show and not constants.HF_HUB_DISABLE_PROGRESS_BARS else disable_progress_bars)()
     try:
         yield
     finally:
@@ -161,15 +163,18 @@ def _hub_progress(show: bool) -> Iterator[None]:
 @contextmanager
 def _no_loading_bars() -> Iterator[None]:
     """transformers draws its own "Loading weights" bar even into a log file; recap shows loading as a stage."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
     from transformers.utils import logging as hf_logging
 
-    was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    was_on, hub_was_off = hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # (this switches huggingface_hub's bars too)
     try:
         yield
     finally:
         if was_on:
             hf_logging.enable_progress_bar()
+        if hub_was_off:
+            disable_progress_bars()
 
 
 def _valid_repo_id(name: str) -> bool:

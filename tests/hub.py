@@ -44,6 +44,7 @@ def hub_cache(tmp_path, monkeypatch) -> Path:
     cache = tmp_path / "hub"
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_PROGRESS_BARS", None)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     return cache
 

@@ -130,3 +130,11 @@ def test_report_console_renders_whole_lines_off_a_terminal():
     lines = out.getvalue().splitlines()
     assert any(long in line and "12345.6" in line and "100.0%" in line for line in lines)
     assert any(line.startswith("tr: tokens differ") and line.endswith("input-19") for line in lines)
+
+
+def test_ctrl_c_during_a_download_exits_130_without_a_traceback(fake_hub, tmp_path):
+    fake_hub.raises = KeyboardInterrupt()
+    (tmp_path / "r.jsonl").write_bytes(b'{"id": "t", "image": null, "prompt": "hi"}\n')
+    result = invoke(["run", tmp_path / "r.jsonl", "--model", "someone/big-model"])
+    assert result.exit_code == 130 and result.stdout == ""
+    assert result.stderr.splitlines()[-1].startswith("interrupted before any request was answered")

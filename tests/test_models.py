@@ -104,14 +104,18 @@ def test_other_hub_errors_are_one_sentence(fake_hub):
 
 
 def test_a_missing_model_is_downloaded_then_loaded(fake_hub, model_dirs):
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
     fake_hub.serves = model_dirs["text"]
     heard = []
-    adapter = load("someone/tiny-llama", device="cpu", progress=True, notify=heard.append)
+    disable_progress_bars()
+    try:
+        adapter = load("someone/tiny-llama", device="cpu", progress=True, notify=heard.append)
+        assert are_progress_bars_disabled()  # as they were before ...
+    finally:
+        enable_progress_bars()
+    assert fake_hub.bars_during_download == [True]  # ... and on for the download
     assert type(adapter) is Adapter and fake_hub.calls == ["someone/tiny-llama"]
-    assert fake_hub.bars_during_download == [True]  # huggingface_hub's bars show for the download ...
-    from huggingface_hub.utils import are_progress_bars_disabled
-
-    assert not are_progress_bars_disabled()  # ... and are as they were afterwards
     assert heard and "downloading someone/tiny-llama" in heard[0]
 
 
