@@ -16,12 +16,13 @@ from . import compare as comparison
 from . import records, report, safety
 from .batch import Totals, answer
 from .drafters import METHODS
-from .models import REGISTRY, ModelError, load
+from .models import ModelError, load, locate, on_disk
 from .session import MemoryFileError, Session
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Lossless speculative decoding for image captioning and VQA with vision-language models.")
-err = Console(stderr=True)
+err: Console = report.console()  # a terminal's width, else whole lines (a log is not cut at 80 columns)
+_quiet = False  # --quiet: no progress and no info lines on stderr; warnings and errors still print
 
 EXIT_OK, EXIT_FAILED_RECORDS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 # 128 + the signal number, what a shell reports for a process that signal ended: `timeout`, systemd and
@@ -34,11 +35,35 @@ def fail(message: str) -> None:
     raise typer.Exit(EXIT_USAGE)
 
 
+def info(message: str) -> None:
+    """A line for people about what is happening; --quiet silences it."""
+    if not _quiet:
+        err.print(message, highlight=False)
+
+
+def _set_output(quiet: bool) -> None:
+    """stderr as this command finds it (a terminal or not), and --quiet, which also silences transformers'
+    warnings (its errors still print)."""
+    global err, _quiet
+    err, _quiet = report.console(), quiet
+    if quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+
+
 @app.command()
 def models() -> None:
-    """List the short model names recap knows (any local model directory works too)."""
-    for alias, repo in REGISTRY.items():
-        print(f"{alias}\t{repo}")
+    """List the short model names recap knows and whether each is on disk (tab-separated: name, source,
+    state, size). Any hub repo id or local model directory works too."""
+    for alias, source, state, size in on_disk():
+        print(f"{alias}\t{source}\t{state}\t{_size(size)}")
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 @app.command()
@@ -69,8 +94,12 @@ def run(
     calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate",
                                              help="recap: learn acceptance chances online (else raw probabilities)"),
     compile: str = typer.Option("auto", help="static KV cache + CUDA graphs: auto (on with CUDA), on or off"),
+    offline: bool = typer.Option(False, help="never ask the hub; use the local cache only (also HF_HUB_OFFLINE=1)"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress, info or summary on stderr (errors still "
+                               "print; --summary still writes)"),
 ) -> None:
     """Answer every request of INPUTS, one JSON line out per line in, in order."""
+    _set_output(quiet)
     if method not in METHODS:
         fail(f"unknown method '{method}': use one of {', '.join(METHODS)}")
     if resume and output is None:
@@ -86,8 +115,8 @@ def run(
         knobs["budget"] = _budget(method, budget)
     if compile not in ("auto", "on", "off"):
         fail("--compile takes auto, on or off")
+    adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
     try:
-        adapter = load(model, device=device, dtype=dtype, attn=attn)
         session = _session(adapter, method, knobs, compile == "on" or (compile == "auto" and
                                                                     adapter.device.type == "cuda"))
     except (ModelError, ValueError) as exc:
@@ -130,7 +159,7 @@ def run(
             safety.silence_stdout()
             stop = EXIT_CLOSED_STDOUT
     if memory is not None and session.save_memory(memory):
-        err.print(f"memory saved to {memory}")
+        info(f"memory saved to {memory}")
     _report(totals, summary, stop)
     if stop is not None:
         raise typer.Exit(stop)
@@ -163,10 +192,14 @@ def compare(
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
     attn: str = typer.Option("sdpa"),
+    offline: bool = typer.Option(False, help="never ask the hub; use the local cache only (also HF_HUB_OFFLINE=1)"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress or info lines on stderr (the result "
+                               "tables and errors still print)"),
 ) -> None:
     """Run every method on the same inputs, interleaved, and report speedups over the baseline.
 
     stdout gets one JSON line per (input, method) measurement; the tables go to stderr."""
+    _set_output(quiet)
     labels = list(dict.fromkeys([baseline] + [m.strip() for m in methods.split(",") if m.strip()]))
     try:
         for label in labels:
@@ -179,10 +212,7 @@ def compare(
         for req in _requests(source, base):
             req.dataset = req.dataset or path.stem
             requests.append(req)
-    try:
-        adapter = load(model, device=device, dtype=dtype, attn=attn)
-    except ModelError as exc:
-        fail(str(exc))
+    adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
     sessions = {label: comparison.make_session(adapter, label) for label in labels}
     with _progress(len(requests)) as progress:
         task = progress.add_task("comparing", total=len(requests))
@@ -205,9 +235,26 @@ def compare(
         report_dir.mkdir(parents=True, exist_ok=True)
         (report_dir / "report.md").write_text(report.markdown(summary, baseline, header) + "\n")
         report.plot(summary, report_dir / "speedups.png")
-        err.print(f"report written to {report_dir}")
+        info(f"report written to {report_dir}")
     mismatched = any(s["mismatches"] for ms in summary.values() for s in ms.values())
     raise typer.Exit(EXIT_FAILED_RECORDS if mismatched else EXIT_OK)
+
+
+def _loaded(model: str, offline: bool, **how):
+    """The model's adapter, downloaded first when the cache lacks it (huggingface_hub's bars on a terminal),
+    then loaded as a progress stage."""
+    try:
+        path = locate(model, offline=offline, progress=err.is_terminal and not _quiet, notify=info)
+        with _progress(None) as progress:
+            stage = progress.add_task(f"loading {model}", total=None)
+            adapter = load(path, **how)
+            progress.update(stage, total=1, completed=1)
+        return adapter
+    except ModelError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        err.print("interrupted before any request was answered (a download resumes on the next run)")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 def _session(adapter, method: str, knobs: dict, compiled: bool) -> Session:
@@ -222,7 +269,7 @@ def _session(adapter, method: str, knobs: dict, compiled: bool) -> Session:
         err.print(f"[yellow]warning:[/] compiling the decoding steps failed ({type(exc).__name__}: "
                   f"{records.first_line(exc)}); decoding eagerly")
         return Session(adapter, method, **knobs)
-    err.print(f"compiled the decoding steps in {seconds:.1f} s (once per run)")
+    info(f"compiled the decoding steps in {seconds:.1f} s (once per run)")
     return session
 
 
@@ -266,7 +313,7 @@ def _write(sink: IO[bytes], record: dict) -> None:
 
 def _progress(total: int | None) -> Progress:
     return Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=err, transient=False, disable=not err.is_terminal)
+                    TimeElapsedColumn(), console=err, transient=False, disable=_quiet or not err.is_terminal)
 
 
 STOPS = {EXIT_INTERRUPTED: "interrupted", EXIT_TERMINATED: "terminated", EXIT_CLOSED_STDOUT: "stdout closed"}
@@ -276,8 +323,8 @@ def _report(totals: Totals, summary: Path | None, stop: int | None) -> None:
     s = totals.summary()
     interrupted = stop is not None
     note = f" ({STOPS[stop]})" if interrupted else ""
-    err.print(f"{s['items']} items, {s['errors']} errors, {s['new_tokens']} tokens, "
-              f"{s['tokens_per_s']:.1f} tokens/s, mean accepted {s['mean_accepted']:.2f}{note}", highlight=False)
+    info(f"{s['items']} items, {s['errors']} errors, {s['new_tokens']} tokens, "
+         f"{s['tokens_per_s']:.1f} tokens/s, mean accepted {s['mean_accepted']:.2f}{note}")
     if summary is not None:
         summary.write_bytes(orjson.dumps({**s, "interrupted": interrupted}, option=orjson.OPT_INDENT_2))
 

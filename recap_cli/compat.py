@@ -62,3 +62,17 @@ def keep_rows(cache: DynamicCache, start: int, rows: torch.Tensor | None, new_le
         else:
             layer.keys = layer.keys[:, :, :new_length]
             layer.values = layer.values[:, :, :new_length]
+
+
+def hub_network_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean "the hub could not be reached": huggingface_hub 1.x talks through httpx, 2.x through
+    httpx2, and both raise their TransportError (connect, read, timeout, proxy) when the network fails."""
+    import importlib
+
+    errors: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for name in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(name).TransportError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)

@@ -1,16 +1,21 @@
-"""Model registry and loading: short names or local directories -> a ready adapter.
+"""Model registry, download and loading: short names, hub repo ids or local directories -> a ready adapter.
 
-Loading never hangs on a missing hub: a registry name is looked up in the local Hugging Face cache first, and
-any failure becomes one ``ModelError`` sentence for the CLI to print.
+A hub model is looked up in the standard Hugging Face cache first and downloaded there with huggingface_hub when
+it is missing (resumable, like ``hf download``), unless offline mode is on. Every failure becomes one
+``ModelError`` sentence for the CLI to print: no network, no such repo and a gated repo each say what to do.
 """
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
 from .adapters import Adapter, LlavaNextAdapter, QwenVLAdapter
+from .compat import hub_network_errors
 from .records import first_line
 
 # The demo model ships inside the package (trained by recap_cli/demo/train.py on the synthetic world).
@@ -25,6 +30,10 @@ REGISTRY: dict[str, str] = {
     "llava-1.6-13b": "llava-hf/llava-v1.6-vicuna-13b-hf",
     "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
 }
+
+# Weight formats that transformers' PyTorch loading never reads: a download skips them (some repos carry several).
+SKIP_FILES = ["*.h5", "*.msgpack", "*.onnx", "*.onnx_data", "*.gguf", "*.ot", "*.tflite", "*.mlmodel",
+              "flax_model*", "tf_model*", "onnx/*", "openvino/*", "coreml/*"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -41,10 +50,142 @@ def resolve(name: str) -> str:
         raise ModelError(f"the demo model is missing from this installation ({DEMO_MODEL}): reinstall recap")
     if name in REGISTRY:
         return REGISTRY[name]
-    if name.count("/") == 1 and not Path(name).exists():
+    if name.count("/") == 1 and not Path(name).exists() and _valid_repo_id(name):
         return name
     known = ", ".join(sorted(REGISTRY))
     raise ModelError(f"unknown model '{name}': use one of {known}, a hub repo id, or a local model directory")
+
+
+def offline_mode() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub saw it at import, or as the environment says now."""
+    from huggingface_hub import is_offline_mode
+
+    now = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+    return is_offline_mode() or now
+
+
+def cached(repo: str) -> str | None:
+    """The complete local snapshot of ``repo`` in the Hugging Face cache, or None (missing or partial)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo, local_files_only=True, ignore_patterns=SKIP_FILES)
+    except (LocalEntryNotFoundError, ValueError):  # ValueError: not a valid repo id
+        return None
+
+
+def on_disk() -> list[tuple[str, str, str, int | None]]:
+    """(name, source, state, bytes on disk) for every registry model; state is "on disk", "partial" (an
+    interrupted download, which the next run resumes) or "not downloaded"."""
+    from huggingface_hub import constants, scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        sizes = {r.repo_id: r.size_on_disk for r in scan_cache_dir(constants.HF_HUB_CACHE).repos
+                 if r.repo_type == "model"}
+    except CacheNotFound:
+        sizes = {}
+    rows = []
+    for alias, source in REGISTRY.items():
+        if Path(source).is_dir():
+            rows.append((alias, source, "on disk", sum(f.stat().st_size for f in Path(source).rglob("*")
+                                                        if f.is_file())))
+        elif source in sizes:
+            rows.append((alias, source, "on disk" if cached(source) else "partial", sizes[source]))
+        else:
+            rows.append((alias, source, "not downloaded", None))
+    return rows
+
+
+def locate(name: str, offline: bool = False, progress: bool = True,
+           notify: Callable[[str], None] | None = None) -> str:
+    """A model name -> a local directory, downloading a hub model the cache lacks (``notify`` hears about it).
+
+    ``progress`` shows huggingface_hub's download bars on stderr; ``offline`` (or HF_HUB_OFFLINE) never asks the hub.
+    """
+    source = resolve(name)
+    if Path(source).is_dir():
+        return source
+    if (path := cached(source)) is not None:
+        return path
+    if offline or offline_mode():
+        raise ModelError(f"model '{source}' is not in the local Hugging Face cache and offline mode is on "
+                         f"(--offline or HF_HUB_OFFLINE): run `hf download {source}` where the hub can be reached, "
+                         "or pass a local model directory")
+    if notify is not None:
+        notify(f"downloading {source} into the Hugging Face cache (an interrupted download resumes on the next run)")
+    with _hub_progress(progress):
+        return download(source)
+
+
+def download(repo: str) -> str:
+    """Fetch ``repo`` into the standard cache (resuming any partial files) and return its snapshot directory."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError)
+
+    unreachable = (f"the Hugging Face hub cannot be reached to download '{repo}': run `hf download {repo}` where "
+                   "it can, or pass a local model directory")
+    try:
+        return snapshot_download(repo, ignore_patterns=SKIP_FILES)
+    except GatedRepoError as exc:  # before RepositoryNotFoundError, its base class
+        raise ModelError(f"model '{repo}' is gated: accept its licence at https://huggingface.co/{repo}, then log "
+                         "in with `hf auth login` (or set HF_TOKEN)") from exc
+    except RepositoryNotFoundError as exc:
+        raise ModelError(f"there is no model '{repo}' on the Hugging Face hub (if it is private, log in with "
+                         "`hf auth login` or set HF_TOKEN)") from exc
+    except LocalEntryNotFoundError as exc:  # how snapshot_download reports a hub it could not reach
+        raise ModelError(unreachable) from exc
+    except hub_network_errors() as exc:
+        raise ModelError(unreachable) from exc
+    except HfHubHTTPError as exc:
+        raise ModelError(f"downloading '{repo}' failed: {first_line(exc)}") from exc
+    except OSError as exc:  # a full disk or an unwritable cache folder
+        raise ModelError(f"downloading '{repo}' failed: {first_line(exc)}") from exc
+
+
+@contextmanager
+def _hub_progress(show: bool) -> Iterator[None]:
+    """huggingface_hub's download bars on or off for one download, then as they were (HF_HUB_DISABLE_PROGRESS_BARS
+    keeps them off)."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_disabled = are_progress_bars_disabled()
+    (enable_progress_bars if show and not constants.HF_HUB_DISABLE_PROGRESS_BARS else disable_progress_bars)()
+    try:
+        yield
+    finally:
+        (disable_progress_bars if was_disabled else enable_progress_bars)()
+
+
+@contextmanager
+def _no_loading_bars() -> Iterator[None]:
+    """transformers draws its own "Loading weights" bar even into a log file; recap shows loading as a stage."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    was_on, hub_was_off = hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # (this switches huggingface_hub's bars too)
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+        if hub_was_off:
+            disable_progress_bars()
+
+
+def _valid_repo_id(name: str) -> bool:
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def pick_device(device: str) -> torch.device:
@@ -63,15 +204,17 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load(name: str, device: str = "auto", dtype: str = "auto", attn: str = "sdpa") -> Adapter:
-    """Load model + processor and wrap them in the adapter for their architecture."""
-    source = resolve(name)
+def load(name: str, device: str = "auto", dtype: str = "auto", attn: str = "sdpa", offline: bool = False,
+         progress: bool = False, notify: Callable[[str], None] | None = None) -> Adapter:
+    """Load model + processor (downloading them first if needed) and wrap them in their architecture's adapter."""
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     if attn not in ("sdpa", "eager"):
         raise ModelError("attention must be sdpa or eager: tree masks cannot go through flash-attention kernels")
+    source = locate(name, offline=offline, progress=progress, notify=notify)
     try:
-        return _load(source, dev, dt, attn)
+        with _no_loading_bars():
+            return _load(source, dev, dt, attn)
     except ModelError:
         raise
     except (OSError, ValueError) as exc:
@@ -82,13 +225,12 @@ def _load(source: str, device: torch.device, dtype: torch.dtype, attn: str) -> A
     from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor,
                               AutoTokenizer)
 
-    local = Path(source).is_dir()
-    kw = {} if local else {"local_files_only": True}
+    kw: dict = {}  # source is a local directory by now (locate() resolved hub ids to their snapshots)
     try:
         config = AutoConfig.from_pretrained(source, **kw)
     except OSError as exc:
-        raise ModelError(f"model '{source}' is not in the local cache and the hub cannot be reached here: "
-                         "download it once (huggingface-cli download) or pass a local directory") from exc
+        raise ModelError(f"{source} holds no model (no readable config.json): pass a model directory, a hub repo id "
+                         "or a short name from `recap models`") from exc
     load_kw = dict(dtype=dtype, attn_implementation=attn, **kw)
     if config.model_type in ("qwen2_5_vl", "llava_next"):
         model = AutoModelForImageTextToText.from_pretrained(source, **load_kw).to(device).eval()

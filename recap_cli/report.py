@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import IO
 
 from PIL import Image, ImageDraw
 from rich.console import Console
@@ -12,6 +13,19 @@ from rich.table import Table
 COLUMNS = [("mean×", "mean_speedup"), ("total×", "total_speedup"), ("p10", "p10"), ("p50", "p50"),
            ("p90", "p90"), ("tok/s", "tokens_per_s"), ("acc/step", "mean_accepted"), ("nodes", "nodes_per_step"),
            ("draft%", "draft_share"), ("match", "match_rate")]
+
+
+# Width for stderr that is not a terminal (a pipe, a log file): rich would cut tables to 80 columns ("tota…",
+# "100.…") and wrap sentences there; a log wants whole lines, and a table is only as wide as its cells.
+PIPE_WIDTH = 10_000
+
+
+def console(file: IO[str] | None = None) -> Console:
+    """The console people read (stderr unless ``file``): a terminal's own width, else whole lines."""
+    probe = Console(file=file, stderr=file is None)
+    if probe.is_terminal:
+        return probe
+    return Console(file=file, stderr=file is None, width=PIPE_WIDTH, soft_wrap=True)
 
 
 def _fmt(key: str, value) -> str:
@@ -27,9 +41,9 @@ def _fmt(key: str, value) -> str:
 def table(summary: dict, baseline: str, console: Console) -> None:
     for dataset, methods in summary.items():
         t = Table(title=f"{dataset} — speedup over {baseline}", title_justify="left")
-        t.add_column("method", no_wrap=True)
+        t.add_column("method", overflow="fold", min_width=6)
         for name, _ in COLUMNS:
-            t.add_column(name, justify="right")
+            t.add_column(name, justify="right", overflow="fold")  # too narrow a terminal folds a number, never cuts it
         for method, s in methods.items():
             t.add_row(method, *(_fmt(k, s[k]) for _, k in COLUMNS))
         console.print(t)

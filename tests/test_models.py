@@ -7,6 +7,8 @@ import pytest
 from recap_cli.adapters import Adapter, LlavaNextAdapter, QwenVLAdapter
 from recap_cli.models import REGISTRY, ModelError, load, resolve
 
+from .hub import fake_hub, hub_cache, http_error, put_in_cache  # noqa: F401 - fixtures
+
 
 def test_local_directories_load_the_right_adapter(get_adapter):
     assert isinstance(get_adapter("qwen"), QwenVLAdapter)
@@ -26,14 +28,8 @@ def test_unknown_name_is_one_sentence():
         load("gpt-9")
 
 
-def test_uncached_hub_model_fails_fast_and_clearly(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HOME", str(tmp_path))
-    with pytest.raises(ModelError, match="not in the local cache"):
-        load("qwen2.5-vl-7b", device="cpu")
-
-
 def test_directory_without_a_model_is_a_clear_error(tmp_path):
-    with pytest.raises(ModelError, match="could not load|not in the local cache"):
+    with pytest.raises(ModelError, match="could not load|holds no model"):
         load(str(tmp_path), device="cpu")
 
 
@@ -42,3 +38,89 @@ def test_text_model_refuses_images(get_adapter):
 
     with pytest.raises(ValueError, match="text only"):
         get_adapter("text").build([{"role": "user", "content": "hi"}], [make_image(0)])
+
+
+# The hub, without a network: an empty cache in tmp_path and snapshot_download answering from a script.
+
+REPO = "Qwen/Qwen2.5-VL-7B-Instruct"
+
+
+def test_offline_flag_never_asks_the_hub(fake_hub):
+    with pytest.raises(ModelError, match=r"not in the local Hugging Face cache and offline mode is on.*"
+                                         r"`hf download Qwen/Qwen2.5-VL-7B-Instruct`"):
+        load("qwen2.5-vl-7b", device="cpu", offline=True)
+    assert fake_hub.calls == []
+
+
+def test_hf_hub_offline_never_asks_the_hub(fake_hub, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelError, match="offline mode is on"):
+        load(REPO, device="cpu")
+    assert fake_hub.calls == []
+
+
+def unreachable():
+    import httpx2  # what huggingface_hub 2.x talks through
+
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    return [LocalEntryNotFoundError("Got: ConnectError: [Errno -2] Name or service not known"),
+            httpx2.ConnectError("[Errno -2] Name or service not known"), httpx2.ReadTimeout("timed out")]
+
+
+@pytest.mark.parametrize("error", unreachable(), ids=lambda e: type(e).__name__)
+def test_unreachable_hub_names_the_download_command(fake_hub, error):
+    fake_hub.raises = error
+    with pytest.raises(ModelError, match=r"^the Hugging Face hub cannot be reached to download "
+                                         r"'Qwen/Qwen2.5-VL-7B-Instruct': run `hf download Qwen/Qwen2.5-VL-7B-Instruct`"):
+        load("qwen2.5-vl-7b", device="cpu")
+    assert fake_hub.calls == [REPO]
+
+
+def test_missing_repo_is_not_a_network_problem(fake_hub):
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    fake_hub.raises = http_error(RepositoryNotFoundError, 404, "someone/no-such-model")
+    with pytest.raises(ModelError, match="there is no model 'someone/no-such-model' on the Hugging Face hub"):
+        load("someone/no-such-model", device="cpu")
+
+
+def test_gated_repo_says_log_in(fake_hub):
+    from huggingface_hub.errors import GatedRepoError
+
+    fake_hub.raises = http_error(GatedRepoError, 403, "meta-llama/Llama-3.2-11B-Vision")
+    with pytest.raises(ModelError, match=r"is gated: accept its licence at "
+                                         r"https://huggingface.co/meta-llama/Llama-3.2-11B-Vision.*`hf auth login`"):
+        load("meta-llama/Llama-3.2-11B-Vision", device="cpu")
+
+
+def test_other_hub_errors_are_one_sentence(fake_hub):
+    from huggingface_hub.errors import HfHubHTTPError
+
+    fake_hub.raises = http_error(HfHubHTTPError, 500, REPO, "500 Server Error: Internal Server Error\nmore")
+    with pytest.raises(ModelError, match=r"^downloading 'Qwen/Qwen2.5-VL-7B-Instruct' failed: 500 Server Error: "
+                                         r"Internal Server Error$"):
+        load(REPO, device="cpu")
+
+
+def test_a_missing_model_is_downloaded_then_loaded(fake_hub, model_dirs):
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    fake_hub.serves = model_dirs["text"]
+    heard = []
+    disable_progress_bars()
+    try:
+        adapter = load("someone/tiny-llama", device="cpu", progress=True, notify=heard.append)
+        assert are_progress_bars_disabled()  # as they were before ...
+    finally:
+        enable_progress_bars()
+    assert fake_hub.bars_during_download == [True]  # ... and on for the download
+    assert type(adapter) is Adapter and fake_hub.calls == ["someone/tiny-llama"]
+    assert heard and "downloading someone/tiny-llama" in heard[0]
+
+
+def test_a_cached_model_loads_without_the_hub(fake_hub, hub_cache, model_dirs):
+    put_in_cache(hub_cache, "someone/tiny-llama", model_dirs["text"])
+    assert type(load("someone/tiny-llama", device="cpu", offline=True)) is Adapter
+    assert type(load("someone/tiny-llama", device="cpu")) is Adapter
+    assert fake_hub.calls == []
