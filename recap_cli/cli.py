@@ -59,6 +59,11 @@ def run(
     calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate",
                                              help="recap: learn acceptance chances online (else raw probabilities)"),
     compile: str = typer.Option("auto", help="static KV cache + CUDA graphs: auto (on with CUDA), on or off"),
+    ray: Optional[str] = typer.Option(None, "--ray", help="answer on Ray (pip install 'recap-cli[ray]'): auto "
+                                      "(RAY_ADDRESS, else a Ray on this machine, else a new one), local, or an address"),
+    workers: int = typer.Option(1, min=1, help="--ray: sessions answering in parallel, one model each"),
+    gpus_per_worker: float = typer.Option(0.0, min=0, help="--ray: GPUs each worker reserves"),
+    cpus_per_worker: float = typer.Option(1.0, min=0, help="--ray: CPUs each worker reserves"),
 ) -> None:
     """Answer every request of INPUTS, one JSON line out per line in, in order."""
     if method not in METHODS:
@@ -70,6 +75,11 @@ def run(
                          calibrate=calibrate)
     if compile not in ("auto", "on", "off"):
         fail("--compile takes auto, on or off")
+    if ray is not None:
+        job = dict(model=model, method=method, knobs=knobs, compile=compile, device=device, dtype=dtype, attn=attn,
+                   max_new_tokens=max_new_tokens, base=base)
+        _run_on_ray(source, job, dict(address=ray, workers=workers, gpus_per_worker=gpus_per_worker,
+                                      cpus_per_worker=cpus_per_worker), output, resume, memory, summary, total)
     try:
         adapter = load(model, device=device, dtype=dtype, attn=attn)
         session = _session(adapter, method, knobs, compile == "on" or (compile == "auto" and
@@ -168,6 +178,30 @@ def compare(
     raise typer.Exit(EXIT_FAILED_RECORDS if mismatched else EXIT_OK)
 
 
+def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None, resume: bool,
+                memory: Path | None, summary: Path | None, total: int | None) -> None:
+    try:
+        from . import scale
+    except ImportError:
+        fail("--ray needs Ray: pip install 'recap-cli[ray]' (or -e \".[ray]\" in a checkout)")
+    with (open(output, "ab" if resume else "wb") if output else nullcontext(sys.stdout.buffer)) as sink, \
+            _progress(total) as progress:
+        task = progress.add_task("answering", total=total)
+        try:
+            outcome = scale.run(source, scale.Job(**job, fault_after=scale.fault_after()), scale.Cluster(**cluster),
+                                sink, output, resume, memory, lambda: progress.advance(task))
+        except (scale.ScaleError, ValueError) as exc:
+            fail(str(exc))
+    if outcome.memories_merged:
+        err.print(f"memories of {outcome.memories_merged} workers merged into {memory}")
+    _report(outcome.totals, summary, outcome.interrupted, scale.extra_summary(outcome))
+    for worker, line in scale.worker_lines(outcome):
+        err.print(f"  worker {worker}: {line}", highlight=False)
+    if outcome.interrupted:
+        raise typer.Exit(EXIT_INTERRUPTED)
+    raise typer.Exit(EXIT_FAILED_RECORDS if outcome.totals.errors else EXIT_OK)
+
+
 def _session(adapter, method: str, knobs: dict, compiled: bool) -> Session:
     """The run's session; with ``compiled``, every step shape is compiled up front, and a failure to compile
     falls back to eager decoding (the fast path must never cost a user the run)."""
@@ -225,11 +259,15 @@ def _progress(total: int | None) -> Progress:
                     TimeElapsedColumn(), console=err, transient=False, disable=not err.is_terminal)
 
 
-def _report(totals: Totals, summary: Path | None, interrupted: bool) -> None:
-    s = totals.summary()
+def _report(totals: Totals, summary: Path | None, interrupted: bool, extra: dict | None = None) -> None:
+    s = {**totals.summary(), **(extra or {})}
     note = " (interrupted)" if interrupted else ""
     err.print(f"{s['items']} items, {s['errors']} errors, {s['new_tokens']} tokens, "
               f"{s['tokens_per_s']:.1f} tokens/s, mean accepted {s['mean_accepted']:.2f}{note}", highlight=False)
+    if "wall_s" in s:
+        restarts = f" ({s['restarts']} restarted)" if s["restarts"] else ""
+        err.print(f"{s['workers']} workers{restarts}: {s['wall_s']:.1f} s wall, {s['requests_per_hour']:.0f} requests/hour, "
+                  f"{s['wall_tokens_per_s']:.1f} tokens/s overall", highlight=False)
     if summary is not None:
         summary.write_bytes(orjson.dumps({**s, "interrupted": interrupted}, option=orjson.OPT_INDENT_2))
 
