@@ -193,7 +193,8 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
         except (scale.ScaleError, ValueError) as exc:
             fail(str(exc))
     if outcome.memories_merged:
-        err.print(f"memories of {outcome.memories_merged} workers merged into {memory}")
+        stale = "" if outcome.memories_final else " (some workers' last requests missing: they did not stop cleanly)"
+        err.print(f"memories of {outcome.memories_merged} workers merged into {memory}{stale}")
     _report(outcome.totals, summary, outcome.interrupted, scale.extra_summary(outcome))
     for worker, line in scale.worker_lines(outcome):
         err.print(f"  worker {worker}: {line}", highlight=False)

@@ -71,6 +71,7 @@ class Outcome:
     wall_s: float = 0.0
     interrupted: bool = False
     memories_merged: int = 0
+    memories_final: bool = True
     restarts: int = 0
 
 
@@ -89,7 +90,8 @@ def run(source: IO[bytes], job: Job, cluster: Cluster, sink: IO[bytes], output: 
         outcome = _answer_all(lines, job, cluster, collector, sink, progress)
         outcome.restarts = ray.get(collector.restarts.remote())
         if memory is not None:
-            outcome.memories_merged = _save_merged(collector, memory, wait=not outcome.interrupted)
+            outcome.memories_merged, outcome.memories_final = _save_merged(collector, memory,
+                                                                           wait=not outcome.interrupted)
         return outcome
     finally:
         if collector is not None:
@@ -155,6 +157,7 @@ def _answer_all(lines, job: Job, cluster: Cluster, collector, sink: IO[bytes], p
     ctx = DataContext.get_current()
     ctx.execution_options.preserve_order = True  # records leave in input order, whichever worker is faster
     ctx.enable_progress_bars = False  # the CLI draws its own on a terminal
+    ctx.print_on_execution_start = False
     outcome = Outcome(Totals())
     t0 = time.perf_counter()
     if lines:
@@ -305,8 +308,9 @@ class Memories:
         if final:
             self.final.add(worker)
 
-    def status(self) -> tuple[bytes | None, dict[str, bytes], set[str]]:
-        return self.seed, self.latest, self.final
+    def status(self) -> tuple[bytes | None, dict[str, bytes], bool]:
+        """The seed, each worker's latest memory, and whether every worker that started has sent its last."""
+        return self.seed, self.latest, set(self.starts) <= self.final
 
     def claim_fault(self) -> bool:
         """True once per run: the fault-injection knob kills one worker, one time."""
@@ -314,16 +318,17 @@ class Memories:
         return claimed
 
 
-def _save_merged(collector, path: Path, wait: bool) -> int:
-    """Wait for the workers' final memories, merge them into one and write it; how many were merged."""
+def _save_merged(collector, path: Path, wait: bool) -> tuple[int, bool]:
+    """Wait for the workers' final memories, merge them into one and write it: how many were merged, and whether
+    every worker's last one was among them (else some worker's latest mid-run copy stood in for it)."""
     deadline = time.monotonic() + (FINAL_WAIT_S if wait else 0)
     while True:
-        seed, latest, final = ray.get(collector.status.remote())
-        if set(latest) <= final or time.monotonic() > deadline:
+        seed, latest, finished = ray.get(collector.status.remote())
+        if finished or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     if not latest:
-        return 0
+        return 0, finished
     load = lambda blob: torch.load(_as_file(blob), map_location="cpu", weights_only=True)  # noqa: E731
     merged = merge_memories(load(seed) if seed else None, [load(latest[w]) for w in sorted(latest)])
     fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.")
@@ -334,7 +339,7 @@ def _save_merged(collector, path: Path, wait: bool) -> int:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return len(latest)
+    return len(latest), finished
 
 
 def _as_file(blob: bytes):
