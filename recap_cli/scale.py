@@ -81,7 +81,10 @@ def run(source: IO[bytes], job: Job, cluster: Cluster, sink: IO[bytes], output: 
     with source:
         lines = [(n, raw) for n, raw in enumerate(source, start=1) if raw.strip()]
     if resume and output is not None:
-        lines = pending(lines, output, job.base)
+        todo = pending(lines, output, job.base)
+        for _ in range(len(lines) - len(todo)):
+            progress and progress()  # skipped lines count as done, as in a local run
+        lines = todo
     started = _connect(cluster.address)
     collector = None
     try:
