@@ -59,8 +59,8 @@ def run(
     calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate",
                                              help="recap: learn acceptance chances online (else raw probabilities)"),
     compile: str = typer.Option("auto", help="static KV cache + CUDA graphs: auto (on with CUDA), on or off"),
-    ray: Optional[str] = typer.Option(None, "--ray", help="answer on Ray (pip install 'recap-cli[ray]'): auto "
-                                      "(RAY_ADDRESS, else a Ray on this machine, else a new one), local, or an address"),
+    ray: Optional[str] = typer.Option(None, "--ray", help="answer on Ray (the [ray] extra): auto (RAY_ADDRESS, "
+                                      "else a Ray on this machine, else a new one), local, or an address"),
     workers: int = typer.Option(1, min=1, help="--ray: sessions answering in parallel, one model each"),
     gpus_per_worker: float = typer.Option(0.0, min=0, help="--ray: GPUs each worker reserves"),
     cpus_per_worker: float = typer.Option(1.0, min=0, help="--ray: CPUs each worker reserves"),
@@ -267,8 +267,9 @@ def _report(totals: Totals, summary: Path | None, interrupted: bool, extra: dict
               f"{s['tokens_per_s']:.1f} tokens/s, mean accepted {s['mean_accepted']:.2f}{note}", highlight=False)
     if "wall_s" in s:
         restarts = f" ({s['restarts']} restarted)" if s["restarts"] else ""
-        err.print(f"{s['workers']} workers{restarts}: {s['wall_s']:.1f} s wall, {s['requests_per_hour']:.0f} requests/hour, "
-                  f"{s['wall_tokens_per_s']:.1f} tokens/s overall", highlight=False)
+        err.print(f"{s['workers']} workers{restarts}: {s['wall_s']:.1f} s wall, "
+                  f"{s['requests_per_hour']:.0f} requests/hour, {s['wall_tokens_per_s']:.1f} tokens/s overall",
+                  highlight=False)
     if summary is not None:
         summary.write_bytes(orjson.dumps({**s, "interrupted": interrupted}, option=orjson.OPT_INDENT_2))
 

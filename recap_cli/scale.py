@@ -169,8 +169,9 @@ def _answer_all(lines, job: Job, cluster: Cluster, collector, sink: IO[bytes], p
         ds = ray.data.from_items([{"line": n, "raw": raw} for n, raw in lines],
                                  override_num_blocks=math.ceil(len(lines) / rows_per_block))
         ds = ds.map_batches(Worker, fn_constructor_kwargs={"job": job, "collector": collector},
-                            batch_size=None, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=cluster.workers),
-                            num_gpus=cluster.gpus_per_worker or None, num_cpus=cluster.cpus_per_worker)
+                            compute=ray.data.ActorPoolStrategy(size=cluster.workers), batch_size=None,
+                            batch_format="numpy", num_gpus=cluster.gpus_per_worker or None,
+                            num_cpus=cluster.cpus_per_worker)
         written: set[int] = set()
         try:
             for row in _rows(ds):
