@@ -60,9 +60,9 @@ def same(records: list[dict]) -> list[dict]:
     return [{k: r.get(k) for k in SAME} for r in records]
 
 
-def ray_run(inputs, *extra):
+def ray_run(inputs, *extra, stdin: bytes | None = None):
     return invoke(["run", inputs, "--model", "demo", "--max-new-tokens", TOKENS, "--ray", "auto", "--workers", 2,
-                   *extra])
+                   *extra], stdin)
 
 
 def test_two_workers_write_what_a_local_run_writes_in_order(ray_local, inputs, local, tmp_path):
@@ -83,11 +83,12 @@ def test_two_workers_write_what_a_local_run_writes_in_order(ray_local, inputs, l
     assert session.drafter.order1.filled() > 0
 
 
-def test_resume_answers_only_what_the_output_lacks(ray_local, inputs, local, tmp_path):
+def test_resume_from_stdin_answers_only_what_the_output_lacks(ray_local, inputs, local, tmp_path, monkeypatch):
     out = tmp_path / "out.jsonl"
     head = b"".join(orjson.dumps(r) + b"\n" for r in local[:4])
     out.write_bytes(head + b'{"id": "torn')  # a crash left half a line
-    result = ray_run(inputs, "-o", out, "--resume")
+    monkeypatch.chdir(inputs.parent)  # stdin's relative image paths resolve against the working directory
+    result = ray_run("-", "-o", out, "--resume", stdin=inputs.read_bytes())
     assert result.exit_code == 1, result.stderr
     assert result.stdout == ""
     assert same(lines(out.read_text())) == same(local)
