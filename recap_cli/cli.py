@@ -10,6 +10,7 @@ from typing import IO, Iterator, Optional
 import orjson
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import compare as comparison
@@ -183,7 +184,7 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
     try:
         from . import scale
     except ImportError:
-        fail("--ray needs Ray: pip install 'recap-cli[ray]' (or -e \".[ray]\" in a checkout)")
+        fail(escape("--ray needs Ray: pip install 'recap-cli[ray]' (or -e \".[ray]\" in a checkout)"))
     with (open(output, "ab" if resume else "wb") if output else nullcontext(sys.stdout.buffer)) as sink, \
             _progress(total) as progress:
         task = progress.add_task("answering", total=total)
@@ -191,7 +192,7 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
             outcome = scale.run(source, scale.Job(**job, fault_after=scale.fault_after()), scale.Cluster(**cluster),
                                 sink, output, resume, memory, lambda: progress.advance(task))
         except (scale.ScaleError, ValueError) as exc:
-            fail(str(exc))
+            fail(escape(str(exc)))
     if outcome.memories_merged:
         stale = "" if outcome.memories_final else " (some workers' last requests missing: they did not stop cleanly)"
         err.print(f"memories of {outcome.memories_merged} workers merged into {memory}{stale}")
