@@ -60,7 +60,7 @@ def run(
     calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate",
                                              help="recap: learn acceptance chances online (else raw probabilities)"),
     compile: str = typer.Option("auto", help="static KV cache + CUDA graphs: auto (on with CUDA), on or off"),
-    ray: Optional[str] = typer.Option(None, "--ray", help="answer on Ray (the [ray] extra): auto (RAY_ADDRESS, "
+    ray: Optional[str] = typer.Option(None, "--ray", help="answer on Ray (needs the ray extra): auto (RAY_ADDRESS, "
                                       "else a Ray on this machine, else a new one), local, or an address"),
     workers: int = typer.Option(1, min=1, help="--ray: sessions answering in parallel, one model each"),
     gpus_per_worker: float = typer.Option(0.0, min=0, help="--ray: GPUs each worker reserves"),
