@@ -10,6 +10,7 @@ from typing import IO, Iterator, Optional
 import orjson
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import compare as comparison
@@ -97,6 +98,11 @@ def run(
     offline: bool = typer.Option(False, help="never ask the hub; use the local cache only (also HF_HUB_OFFLINE=1)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress, info or summary on stderr (errors still "
                                "print; --summary still writes)"),
+    ray: Optional[str] = typer.Option(None, "--ray", help="answer on Ray (needs the ray extra): auto (RAY_ADDRESS, "
+                                      "else a Ray on this machine, else a new one), local, or an address"),
+    workers: int = typer.Option(1, min=1, help="--ray: sessions answering in parallel, one model each"),
+    gpus_per_worker: float = typer.Option(0.0, min=0, help="--ray: GPUs each worker reserves"),
+    cpus_per_worker: float = typer.Option(1.0, min=0, help="--ray: CPUs each worker reserves"),
 ) -> None:
     """Answer every request of INPUTS, one JSON line out per line in, in order."""
     _set_output(quiet)
@@ -115,6 +121,11 @@ def run(
         knobs["budget"] = _budget(method, budget)
     if compile not in ("auto", "on", "off"):
         fail("--compile takes auto, on or off")
+    if ray is not None:
+        job = dict(model=model, method=method, knobs=knobs, compile=compile, device=device, dtype=dtype, attn=attn,
+                   max_new_tokens=max_new_tokens, base=base)
+        _run_on_ray(source, job, dict(address=ray, workers=workers, gpus_per_worker=gpus_per_worker,
+                                      cpus_per_worker=cpus_per_worker), output, resume, memory, summary, total)
     adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
     try:
         session = _session(adapter, method, knobs, compile == "on" or (compile == "auto" and
@@ -257,6 +268,32 @@ def _loaded(model: str, offline: bool, **how):
         raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
+def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None, resume: bool,
+                memory: Path | None, summary: Path | None, total: int | None) -> None:
+    try:
+        from . import scale
+    except ImportError:
+        fail(escape("--ray needs Ray: pip install 'recap-cli[ray]' (or -e \".[ray]\" in a checkout)"))
+    with (open(output, "ab" if resume else "wb") if output else nullcontext(sys.stdout.buffer)) as sink, \
+            _progress(total) as progress:
+        task = progress.add_task("answering", total=total)
+        try:
+            outcome = scale.run(source, scale.Job(**job, fault_after=scale.fault_after()), scale.Cluster(**cluster),
+                                sink, output, resume, memory, lambda: progress.advance(task))
+        except (scale.ScaleError, ValueError) as exc:
+            fail(escape(str(exc)))
+    if outcome.memories_merged:
+        stale = "" if outcome.memories_final else " (some workers' last requests missing: they did not stop cleanly)"
+        err.print(f"memories of {outcome.memories_merged} workers merged into {memory}{stale}")
+    _report(outcome.totals, summary, EXIT_INTERRUPTED if outcome.interrupted else None,
+            scale.extra_summary(outcome))
+    for worker, line in scale.worker_lines(outcome):
+        err.print(f"  worker {worker}: {line}", highlight=False)
+    if outcome.interrupted:
+        raise typer.Exit(EXIT_INTERRUPTED)
+    raise typer.Exit(EXIT_FAILED_RECORDS if outcome.totals.errors else EXIT_OK)
+
+
 def _session(adapter, method: str, knobs: dict, compiled: bool) -> Session:
     """The run's session; with ``compiled``, every step shape is compiled up front, and a failure to compile
     falls back to eager decoding (the fast path must never cost a user the run)."""
@@ -319,12 +356,16 @@ def _progress(total: int | None) -> Progress:
 STOPS = {EXIT_INTERRUPTED: "interrupted", EXIT_TERMINATED: "terminated", EXIT_CLOSED_STDOUT: "stdout closed"}
 
 
-def _report(totals: Totals, summary: Path | None, stop: int | None) -> None:
-    s = totals.summary()
+def _report(totals: Totals, summary: Path | None, stop: int | None, extra: dict | None = None) -> None:
+    s = {**totals.summary(), **(extra or {})}
     interrupted = stop is not None
     note = f" ({STOPS[stop]})" if interrupted else ""
     info(f"{s['items']} items, {s['errors']} errors, {s['new_tokens']} tokens, "
          f"{s['tokens_per_s']:.1f} tokens/s, mean accepted {s['mean_accepted']:.2f}{note}")
+    if "wall_s" in s:
+        restarts = f" ({s['restarts']} restarted)" if s["restarts"] else ""
+        info(f"{s['workers']} workers{restarts}: {s['wall_s']:.1f} s wall, "
+             f"{s['requests_per_hour']:.0f} requests/hour, {s['wall_tokens_per_s']:.1f} tokens/s overall")
     if summary is not None:
         summary.write_bytes(orjson.dumps({**s, "interrupted": interrupted}, option=orjson.OPT_INDENT_2))
 
