@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from recap_cli.batch import answer_with_tokens  # noqa: E402
+from recap_cli.cost import StepCost  # noqa: E402
 from recap_cli.engine import Generation  # noqa: E402
 from recap_cli.models import load  # noqa: E402
 from recap_cli.records import Request, parse_line  # noqa: E402
@@ -44,6 +45,18 @@ VARIANTS = {
     "tr-auto": ("tr", {"budget": "auto"}),
     "pld-10": ("pld", {"budget": 10}),
 }
+
+
+# Compiled static-cache step costs at Vicuna-7B shapes on an H200 (shared/DESIGN.md section 3; 32 interpolated):
+# with --costs h200, trees are sized as on that GPU, so tokens/step and nodes/step are what it would see.
+H200_BUCKETS = (1, 16, 32, 64, 128)
+H200_STEP_S = (5.7e-3, 7.6e-3, 7.9e-3, 8.2e-3, 8.2e-3)
+
+
+def h200_costs() -> StepCost:
+    cost = StepCost(buckets=H200_BUCKETS, alpha=0.0)  # frozen: this machine's timings must not move it
+    cost.set(H200_STEP_S)
+    return cost
 
 
 class Recorder:
@@ -70,13 +83,18 @@ def read_requests(inputs: list[Path], limit: int) -> list[Request]:
     return requests
 
 
-def run(model: str, inputs: list[Path], variants: list[str], max_new_tokens: int, limit: int) -> dict:
+def run(model: str, inputs: list[Path], variants: list[str], max_new_tokens: int, limit: int,
+        costs: str = "measured") -> dict:
     adapter = load(model, device="cpu", dtype="fp32")
     requests = read_requests(inputs, limit)
     results, reference = {}, None
     for name in variants:
         method, knobs = VARIANTS[name]
         session = Recorder(Session(adapter, method, **knobs))
+        step_costs = []
+        if costs == "h200":
+            session.session.engine.cost = h200_costs()
+            step_costs = _modelled_step_costs(session.session.engine)
         t0 = time.perf_counter()
         tokens = []
         for req in requests:
@@ -94,17 +112,34 @@ def run(model: str, inputs: list[Path], variants: list[str], max_new_tokens: int
             "draft_ms_per_step": 1000 * sum(g.draft_s for g in gens) / steps,
             "verify_ms_per_step": 1000 * sum(g.verify_s for g in gens) / steps,
             "nodes_per_step": sum(g.tree_nodes for g in gens) / steps,
+            "modelled_step_ms": 1000 * sum(step_costs) / len(step_costs) if costs == "h200" else None,
             "median_decode_tok_s": statistics.median((len(g.tokens) - 1) / g.decode_s for g in gens if g.decode_s),
             "wall_s": wall,
             "matches_ar": tokens == reference,
             "by_source": dict(sum((g.by_source for g in gens), start=type(gens[0].by_source)())),
         }
         r = results[name]
+        if costs == "h200":  # the GPU's step cost + this machine's drafting time, per emitted token
+            r["projected_ms_per_token"] = (r["modelled_step_ms"] + r["draft_ms_per_step"]) / r["tokens_per_step"]
+            print(f"{name:15s} projected on an H200: step {r['modelled_step_ms']:.2f} ms + drafting "
+                  f"{r['draft_ms_per_step']:.3f} ms -> {r['projected_ms_per_token']:.2f} ms/token")
         print(f"{name:15s} tok/step {r['tokens_per_step']:.3f}  nodes {r['nodes_per_step']:5.1f}  "
               f"draft {r['draft_ms_per_step']:.3f} ms  verify {r['verify_ms_per_step']:.1f} ms  "
               f"median {r['median_decode_tok_s']:.1f} tok/s  same-as-ar {r['matches_ar']}", flush=True)
     return {"model": model, "inputs": [str(p) for p in inputs], "requests": len(requests),
             "max_new_tokens": max_new_tokens, "threads": torch.get_num_threads(), "results": results}
+
+
+def _modelled_step_costs(engine) -> list[float]:
+    """What the engine's cost model says each verification step costs, appended as the steps happen."""
+    out, verify = [], engine.verify
+
+    def timed_verify(tree):
+        out.append(engine.cost(engine._bucket(len(tree))))
+        return verify(tree)
+
+    engine.verify = timed_verify
+    return out
 
 
 def main() -> None:
@@ -115,12 +150,15 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--limit", type=int, default=12, help="requests per input file")
     ap.add_argument("--json", type=Path, default=Path("runs/acceptance.json"))
+    ap.add_argument("--costs", choices=("measured", "h200"), default="measured",
+                    help="step costs that size auto trees: this machine's, or an H200's (DESIGN.md section 3)")
     args = ap.parse_args()
     if args.model is None:
         from smollm2 import prepare
 
         args.model = str(prepare())
-    report = run(args.model, args.inputs, args.methods.split(","), args.max_new_tokens, args.limit)
+    report = run(args.model, args.inputs, args.methods.split(","), args.max_new_tokens, args.limit, args.costs)
+    report["costs"] = args.costs
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     print(f"wrote {args.json}", file=sys.stderr)

@@ -45,7 +45,7 @@ def table(summary: dict, baseline: str, console: Console) -> None:
         for name, _ in COLUMNS:
             t.add_column(name, justify="right", overflow="fold")  # too narrow a terminal folds a number, never cuts it
         for method, s in methods.items():
-            t.add_row(method, *(_fmt(k, s[k]) for _, k in COLUMNS))
+            t.add_row(method, *(_fmt(k, s.get(k)) for _, k in COLUMNS))
         console.print(t)
         for method, s in methods.items():
             if s["mismatches"]:
@@ -60,7 +60,7 @@ def markdown(summary: dict, baseline: str, header: str = "") -> str:
                   "| method | " + " | ".join(n for n, _ in COLUMNS) + " |",
                   "| --- |" + " ---: |" * len(COLUMNS)]
         for method, s in methods.items():
-            lines.append(f"| {method} | " + " | ".join(_fmt(k, s[k]) for _, k in COLUMNS) + " |")
+            lines.append(f"| {method} | " + " | ".join(_fmt(k, s.get(k)) for _, k in COLUMNS) + " |")
         bad = {m: s["mismatches"] for m, s in methods.items() if s["mismatches"]}
         lines.append("")
         for method, ids in bad.items():
