@@ -16,7 +16,7 @@ from . import compare as comparison
 from . import records, report
 from .batch import Totals, answer
 from .drafters import METHODS
-from .models import REGISTRY, ModelError, load
+from .models import FAMILIES, REGISTRY, ModelError, load
 from .session import Session
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -35,7 +35,8 @@ def fail(message: str) -> None:
 def models() -> None:
     """List the short model names recap knows (any local model directory works too)."""
     for alias, repo in REGISTRY.items():
-        print(f"{alias}\t{repo}")
+        family, size = FAMILIES.get(alias, ("?", "?"))
+        print(f"{alias}\t{family}\t{size}\t{repo}")
 
 
 @app.command()
