@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from PIL import Image
 
+from . import compat
+
 Message = dict[str, Any]  # {"role": "user"|"assistant"|"system", "content": str | list of parts}
 
 
@@ -77,6 +79,24 @@ class Adapter:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    # Hooks for architectures whose layers differ (default: one mask serves every layer).
+
+    def new_cache(self, capacity: int | None = None):
+        """A dynamic KV cache, or a static one of ``capacity`` positions."""
+        if capacity is None:
+            return compat.new_cache(self.model)
+        return compat.new_static_cache(self.model, capacity)
+
+    def prefill_mask(self, mask: torch.Tensor, prompt: Prompt) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The static-cache prefill mask(s), given the causal (1, 1, L, capacity) one."""
+        return mask
+
+    def layer_masks(self, mask: torch.Tensor, positions: torch.Tensor,
+                    length: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The tree-step mask(s), given the ancestry mask over the ``length`` cached positions and the nodes at
+        ``positions`` (1, T)."""
+        return mask
+
 
 class VisionAdapter(Adapter):
     """A vision-language model driven through its own processor (chat template + image preprocessing)."""
@@ -86,6 +106,7 @@ class VisionAdapter(Adapter):
 
     def __init__(self, model: torch.nn.Module, processor: Any):
         super().__init__(model, processor)
+        self.arch = model.config.model_type
         self.image_token_id = getattr(model.config, self.image_token_attr)
 
     def build(self, messages: list[Message], images: list[Image.Image]) -> Prompt:
@@ -103,15 +124,20 @@ class VisionAdapter(Adapter):
 
 
 class LlavaNextAdapter(VisionAdapter):
-    """LLaVA-1.6 (LLaVA-NeXT): the processor expands <image> into one token per feature; positions are 1-D."""
+    """LLaVA-1.6 (LLaVA-NeXT) and LLaVA-OneVision: the processor expands <image> into one token per feature
+    (anyres tiles and row newlines included); positions are 1-D."""
 
     arch = "llava_next"
     image_token_attr = "image_token_index"
 
 
 class QwenVLAdapter(VisionAdapter):
-    """Qwen2.5-VL: M-RoPE positions computed once here, with the delta that text positions carry afterwards.
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: M-RoPE positions computed once here, with the delta that text positions
+    carry afterwards.
 
+    Text positions are equal on all three M-RoPE rows, so tree nodes pass 1-D positions ``P + delta + depth`` and
+    each family's text model spreads them over its rows (Qwen3-VL interleaves the rows' frequencies, which changes
+    nothing for equal rows). Qwen3-VL's deepstack features are added at image positions only, all in the prompt.
     ``mm_token_type_ids`` must reach ``get_rope_index``, or it silently falls back to 1-D positions.
     """
 
@@ -127,6 +153,51 @@ class QwenVLAdapter(VisionAdapter):
         positions, delta = self.model.model.get_rope_index(
             input_ids, mm_token_type_ids=type_ids, image_grid_thw=inputs["image_grid_thw"])
         return Prompt(input_ids=input_ids, model_inputs=inputs, position_ids=positions, rope_delta=int(delta.item()))
+
+
+class Gemma3Adapter(VisionAdapter):
+    """Gemma 3: image tokens attend to each other both ways in prefill, and sliding-window layers alternate with
+    global ones.
+
+    Prefill runs through the model's own mask builder (``token_type_ids`` marks the image blocks). Tree steps are
+    causal by ancestry for every layer, and sliding layers also drop keys ``window`` or more positions back: a user
+    4-D mask would reach them unchanged, so the step passes a dict of masks by layer type. The cache keeps every
+    position in every layer (a sliding ring buffer cannot be compacted by absolute position).
+    """
+
+    def __init__(self, model: torch.nn.Module, processor: Any):
+        super().__init__(model, processor)
+        self.window = model.config.get_text_config().sliding_window
+
+    def new_cache(self, capacity: int | None = None):
+        if capacity is None:
+            return compat.new_cache(self.model, keep_all=True)
+        return compat.new_static_cache(self.model, capacity, keep_all=True)
+
+    def prefill_mask(self, mask: torch.Tensor, prompt: Prompt) -> dict[str, torch.Tensor]:
+        from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+        n = prompt.length
+        types = prompt.model_inputs.get("token_type_ids")
+        if types is not None:  # each image block sees itself whole: OR(causal, same block)
+            block = get_block_sequence_ids_for_mask(types, device=mask.device)[0]
+            same = (block[:, None] == block[None, :]) & (block[:, None] >= 0)
+            mask = mask.clone()
+            mask[0, 0, :, :n].masked_fill_(same, 0.0)
+        keys = torch.arange(mask.shape[-1], device=mask.device)
+        return self._by_layer(mask, keys[:n], keys)
+
+    def layer_masks(self, mask: torch.Tensor, positions: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
+        keys = torch.arange(mask.shape[-1], device=mask.device)  # cached rows 0..length-1 sit at their positions,
+        keys[length:length + positions.shape[1]] = positions[0]  # the step's nodes at theirs
+        return self._by_layer(mask, positions[0], keys)
+
+    def _by_layer(self, mask: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Sliding layers also drop keys ``window`` or more positions behind the query (masking_utils'
+        ``sliding_window_overlay``: k > q - window)."""
+        near = (queries[:, None] - keys[None, :]) < self.window
+        sliding = mask.masked_fill(~near, torch.finfo(mask.dtype).min)
+        return {"full_attention": mask, "sliding_attention": sliding}
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:

@@ -17,7 +17,7 @@ from . import compare as comparison
 from . import records, report, safety
 from .batch import Totals, answer
 from .drafters import METHODS
-from .models import ModelError, load, locate, on_disk
+from .models import FAMILIES, ModelError, load, locate, on_disk
 from .session import MemoryFileError, Session
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -55,10 +55,11 @@ def _set_output(quiet: bool) -> None:
 
 @app.command()
 def models() -> None:
-    """List the short model names recap knows and whether each is on disk (tab-separated: name, source,
-    state, size). Any hub repo id or local model directory works too."""
+    """List the short model names recap knows, their family and size, and whether each is on disk (tab-separated:
+    name, family, size, source, state, size on disk). Any hub repo id or local model directory works too."""
     for alias, source, state, size in on_disk():
-        print(f"{alias}\t{source}\t{state}\t{_size(size)}")
+        family, params = FAMILIES.get(alias, ("?", "?"))
+        print(f"{alias}\t{family}\t{params}\t{source}\t{state}\t{_size(size)}")
 
 
 def _size(n: int | None) -> str:

@@ -8,6 +8,7 @@ head_dim), and static layers keep their own write counter ``cumulative_length``.
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -20,15 +21,25 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def new_cache(model: torch.nn.Module) -> DynamicCache:
-    return DynamicCache(config=model.config)
+def new_cache(model: torch.nn.Module, keep_all: bool = False) -> DynamicCache:
+    return DynamicCache(config=_all_full(model) if keep_all else model.config)
 
 
-def new_static_cache(model: torch.nn.Module, capacity: int):
+def new_static_cache(model: torch.nn.Module, capacity: int, keep_all: bool = False):
     """A preallocated cache of ``capacity`` positions (allocated on the first write, in the model's dtype)."""
     from transformers import StaticCache
 
-    return StaticCache(config=model.config, max_cache_len=capacity)
+    return StaticCache(config=_all_full(model) if keep_all else model.config, max_cache_len=capacity)
+
+
+def _all_full(model: torch.nn.Module):
+    """The text config with every layer typed full attention, so the cache keeps every position in every layer.
+
+    A config's sliding layers get ring-buffer caches (the last ``window`` positions only), whose rows tree
+    compaction cannot address by absolute position; the window is then applied by the mask instead."""
+    config = copy.deepcopy(model.config.get_text_config(decoder=True))
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    return config
 
 
 def is_static(layer) -> bool:

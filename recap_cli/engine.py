@@ -50,11 +50,11 @@ class Engine:
 
     def _new_cache(self, need: int) -> None:
         if not self.static:
-            self.cache = compat.new_cache(self.model)
+            self.cache = self.adapter.new_cache()
             return
         if self.cache is None or self.capacity < need:  # reused across requests while it is big enough
             self.capacity = -(-max(need, self.min_capacity) // 256) * 256
-            self.cache = compat.new_static_cache(self.model, self.capacity)
+            self.cache = self.adapter.new_cache(self.capacity)
         compat.set_length(self.cache, 0)
 
     @torch.inference_mode()
@@ -67,7 +67,7 @@ class Engine:
         keep: int | torch.Tensor = 1
         if want_rows:  # rows at image placeholders are never keys a drafter could meet again
             keep = _text_positions(prompt.input_ids[0], self.adapter.image_token_id)
-        mask = self._causal_mask(prompt.length) if self.static else None
+        mask = self.adapter.prefill_mask(self._causal_mask(prompt.length), prompt) if self.static else None
         out = self.model(input_ids=prompt.input_ids, position_ids=prompt.position_ids, attention_mask=mask,
                          use_cache=True, logits_to_keep=keep, **{self._cache_kw: self.cache}, **prompt.model_inputs)
         self.length = prompt.length
@@ -104,6 +104,7 @@ class Engine:
         pos = torch.tensor([tree.depths() + [0] * pad], device=self.device) + (self.length + self.rope_delta)
         # Node i attends to the whole prefix, its ancestors and itself; one token needs no mask at all.
         mask = self._tree_mask(tree.parents + [-1] * pad) if size > 1 or self.static else None
+        mask = self.adapter.layer_masks(mask, pos, self.length) if mask is not None else None
         return ids, pos, mask
 
     def _greedy_and_rows(self, logits: torch.Tensor) -> tuple[list[int], Rows]:

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .adapters import Adapter, LlavaNextAdapter, QwenVLAdapter
+from .adapters import Adapter, Gemma3Adapter, LlavaNextAdapter, QwenVLAdapter, VisionAdapter
 from .compat import hub_network_errors
 from .records import first_line
 
@@ -23,17 +23,69 @@ DEMO_MODEL = Path(__file__).resolve().parent / "demo" / "model"
 
 REGISTRY: dict[str, str] = {
     "demo": str(DEMO_MODEL),
+    "qwen3-vl-2b": "Qwen/Qwen3-VL-2B-Instruct",
+    "qwen3-vl-4b": "Qwen/Qwen3-VL-4B-Instruct",
+    "qwen3-vl-8b": "Qwen/Qwen3-VL-8B-Instruct",
     "qwen2.5-vl-7b": "Qwen/Qwen2.5-VL-7B-Instruct",
     "qwen2.5-vl-3b": "Qwen/Qwen2.5-VL-3B-Instruct",
     "qwen2.5-vl-32b": "Qwen/Qwen2.5-VL-32B-Instruct",
+    "qwen2-vl-2b": "Qwen/Qwen2-VL-2B-Instruct",
+    "qwen2-vl-7b": "Qwen/Qwen2-VL-7B-Instruct",
     "llava-1.6-7b": "llava-hf/llava-v1.6-vicuna-7b-hf",
     "llava-1.6-13b": "llava-hf/llava-v1.6-vicuna-13b-hf",
+    "llava-onevision-0.5b": "llava-hf/llava-onevision-qwen2-0.5b-ov-hf",
+    "llava-onevision-7b": "llava-hf/llava-onevision-qwen2-7b-ov-hf",
+    "smolvlm-2b": "HuggingFaceTB/SmolVLM-Instruct",
+    "smolvlm2-2.2b": "HuggingFaceTB/SmolVLM2-2.2B-Instruct",
+    "internvl3-1b": "OpenGVLab/InternVL3-1B-hf",
+    "internvl3-8b": "OpenGVLab/InternVL3-8B-hf",
+    "gemma-3-4b": "google/gemma-3-4b-it",
+    "gemma-3-12b": "google/gemma-3-12b-it",
     "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
 }
 
 # Weight formats that transformers' PyTorch loading never reads: a download skips them (some repos carry several).
 SKIP_FILES = ["*.h5", "*.msgpack", "*.onnx", "*.onnx_data", "*.gguf", "*.ot", "*.tflite", "*.mlmodel",
               "flax_model*", "tf_model*", "onnx/*", "openvino/*", "coreml/*"]
+
+# alias -> (model_type, size), for `recap models`.
+FAMILIES: dict[str, tuple[str, str]] = {
+    "demo": ("qwen2_5_vl", "tiny"),
+    "qwen3-vl-2b": ("qwen3_vl", "2B"), "qwen3-vl-4b": ("qwen3_vl", "4B"), "qwen3-vl-8b": ("qwen3_vl", "8B"),
+    "qwen2.5-vl-7b": ("qwen2_5_vl", "7B"), "qwen2.5-vl-3b": ("qwen2_5_vl", "3B"),
+    "qwen2.5-vl-32b": ("qwen2_5_vl", "32B"),
+    "qwen2-vl-2b": ("qwen2_vl", "2B"), "qwen2-vl-7b": ("qwen2_vl", "7B"),
+    "llava-1.6-7b": ("llava_next", "7B"), "llava-1.6-13b": ("llava_next", "13B"),
+    "llava-onevision-0.5b": ("llava_onevision", "0.5B"), "llava-onevision-7b": ("llava_onevision", "7B"),
+    "smolvlm-2b": ("idefics3", "2B"), "smolvlm2-2.2b": ("smolvlm", "2.2B"),
+    "internvl3-1b": ("internvl", "1B"), "internvl3-8b": ("internvl", "8B"),
+    "gemma-3-4b": ("gemma3", "4B"), "gemma-3-12b": ("gemma3", "12B"),
+    "smollm2-135m": ("llama", "135M"),
+}
+
+# model_type -> adapter. Each family here has a tiny random-init twin in tiny_models.py that the exactness tests
+# decode with every drafter against generate(do_sample=False).
+ADAPTERS: dict[str, type[VisionAdapter]] = {
+    "qwen2_vl": QwenVLAdapter,
+    "qwen2_5_vl": QwenVLAdapter,
+    "qwen3_vl": QwenVLAdapter,
+    "llava_next": LlavaNextAdapter,
+    "llava_onevision": LlavaNextAdapter,
+    "idefics3": VisionAdapter,
+    "smolvlm": VisionAdapter,
+    "internvl": VisionAdapter,
+    "gemma3": Gemma3Adapter,
+}
+
+# Families whose layers cannot verify a draft tree in one pass: the reason, in one clause.
+REFUSED: dict[str, str] = {
+    "qwen3_5": "three of every four layers are linear attention (Gated DeltaNet) whose recurrent state can "
+               "neither attend by tree ancestry nor be rolled back to the accepted path",
+    "qwen3_5_moe": "three of every four layers are linear attention (Gated DeltaNet) whose recurrent state can "
+                   "neither attend by tree ancestry nor be rolled back to the accepted path",
+    "qwen3_next": "three of every four layers are linear attention (Gated DeltaNet) whose recurrent state can "
+                  "neither attend by tree ancestry nor be rolled back to the accepted path",
+}
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -217,7 +269,7 @@ def load(name: str, device: str = "auto", dtype: str = "auto", attn: str = "sdpa
             return _load(source, dev, dt, attn)
     except ModelError:
         raise
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ImportError) as exc:  # ImportError: a processor's optional package is missing
         raise ModelError(f"could not load model '{name}' ({source}): {first_line(exc)}") from exc
 
 
@@ -232,14 +284,16 @@ def _load(source: str, device: torch.device, dtype: torch.dtype, attn: str) -> A
         raise ModelError(f"{source} holds no model (no readable config.json): pass a model directory, a hub repo id "
                          "or a short name from `recap models`") from exc
     load_kw = dict(dtype=dtype, attn_implementation=attn, **kw)
-    if config.model_type in ("qwen2_5_vl", "llava_next"):
+    if config.model_type in ADAPTERS:
         model = AutoModelForImageTextToText.from_pretrained(source, **load_kw).to(device).eval()
         processor = AutoProcessor.from_pretrained(source, **kw)
-        cls = QwenVLAdapter if config.model_type == "qwen2_5_vl" else LlavaNextAdapter
-        return cls(model, processor)
+        return ADAPTERS[config.model_type](model, processor)
+    if config.model_type in REFUSED:
+        raise ModelError(f"model type '{config.model_type}' cannot be decoded exactly by recap: "
+                         f"{REFUSED[config.model_type]}")
     if _is_vision_config(config):
-        raise ModelError(f"model type '{config.model_type}' is not supported yet: recap knows qwen2_5_vl, "
-                         "llava_next and text-only causal LMs")
+        raise ModelError(f"model type '{config.model_type}' is not supported yet: recap knows "
+                         f"{', '.join(ADAPTERS)} and text-only causal LMs")
     model = AutoModelForCausalLM.from_pretrained(source, **load_kw).to(device).eval()
     return Adapter(model, AutoTokenizer.from_pretrained(source, **kw))
 

@@ -10,18 +10,35 @@ from PIL import Image
 
 from recap_cli.drafters import Drafter
 from recap_cli.models import load
-from recap_cli.tiny_models import build_tiny_llama, build_tiny_llava_next, build_tiny_qwen2_5_vl
+from recap_cli.tiny_models import (build_tiny_gemma3, build_tiny_idefics3, build_tiny_internvl, build_tiny_llama, build_tiny_llava_next,
+                                   build_tiny_llava_onevision, build_tiny_qwen2_5_vl, build_tiny_qwen2_vl,
+                                   build_tiny_qwen3_vl, build_tiny_smolvlm)
 from recap_cli.tree import Source, Tree
 
 torch.set_num_threads(2)
 
-BUILDERS = {"qwen": build_tiny_qwen2_5_vl, "llava": build_tiny_llava_next, "text": build_tiny_llama}
+BUILDERS = {"qwen": build_tiny_qwen2_5_vl, "llava": build_tiny_llava_next, "text": build_tiny_llama,
+            # the newer families, tested in test_families.py
+            "qwen2_vl": build_tiny_qwen2_vl, "qwen3_vl": build_tiny_qwen3_vl,
+            "llava_onevision": build_tiny_llava_onevision, "idefics3": build_tiny_idefics3,
+            "smolvlm": build_tiny_smolvlm, "internvl": build_tiny_internvl, "gemma3": build_tiny_gemma3}
+
+
+class _ModelDirs(dict):
+    """Each tiny model is built on first use, once per session (a filtered run builds only what it needs)."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name):
+        self[name] = BUILDERS[name](self.root / name)
+        return self[name]
 
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return {name: build(root / name) for name, build in BUILDERS.items()}
+    return _ModelDirs(tmp_path_factory.mktemp("models"))
 
 
 _ADAPTERS: dict = {}

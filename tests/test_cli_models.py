@@ -31,12 +31,12 @@ def test_models_says_which_are_on_disk(hub_cache, model_dirs):
     result = invoke(["models"])
     assert result.exit_code == 0
     rows = {line.split("\t")[0]: line.split("\t") for line in result.stdout.splitlines()}
-    assert all(len(row) == 4 for row in rows.values())
-    assert rows["demo"][2] == "on disk" and rows["demo"][3].endswith(" MB")
-    assert rows["smollm2-135m"][1:3] == ["HuggingFaceTB/SmolLM2-135M-Instruct", "on disk"]
-    assert rows["smollm2-135m"][3].endswith(" MB")
-    assert rows["qwen2.5-vl-3b"][2] == "partial"
-    assert rows["qwen2.5-vl-7b"][1:] == ["Qwen/Qwen2.5-VL-7B-Instruct", "not downloaded", "-"]
+    assert all(len(row) == 6 for row in rows.values())  # name, family, size, source, state, size on disk
+    assert rows["demo"][4] == "on disk" and rows["demo"][5].endswith(" MB")
+    assert rows["smollm2-135m"][3:5] == ["HuggingFaceTB/SmolLM2-135M-Instruct", "on disk"]
+    assert rows["smollm2-135m"][5].endswith(" MB")
+    assert rows["qwen2.5-vl-3b"][4] == "partial"
+    assert rows["qwen2.5-vl-7b"][1:] == ["qwen2_5_vl", "7B", "Qwen/Qwen2.5-VL-7B-Instruct", "not downloaded", "-"]
 
 
 def one_error(result, after: str | None = None) -> str:

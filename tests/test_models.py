@@ -124,3 +124,29 @@ def test_a_cached_model_loads_without_the_hub(fake_hub, hub_cache, model_dirs):
     assert type(load("someone/tiny-llama", device="cpu", offline=True)) is Adapter
     assert type(load("someone/tiny-llama", device="cpu")) is Adapter
     assert fake_hub.calls == []
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next"])
+def test_linear_attention_families_are_refused_with_the_reason(tmp_path, model_type):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type).save_pretrained(tmp_path)
+    with pytest.raises(ModelError, match="cannot be decoded exactly.*linear attention"):
+        load(str(tmp_path), device="cpu")
+
+
+def test_unknown_vision_family_is_refused(tmp_path):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("paligemma").save_pretrained(tmp_path)
+    with pytest.raises(ModelError, match="not supported yet: recap knows qwen2_vl"):
+        load(str(tmp_path), device="cpu")
+
+
+def test_every_registry_name_has_a_supported_family():
+    from recap_cli.models import ADAPTERS, FAMILIES
+
+    assert set(FAMILIES) == set(REGISTRY)
+    assert {family for family, _ in FAMILIES.values()} - {"llama"} <= set(ADAPTERS)
+    assert resolve("qwen3-vl-8b") == "Qwen/Qwen3-VL-8B-Instruct"
+    assert resolve("gemma-3-4b") == "google/gemma-3-4b-it"
