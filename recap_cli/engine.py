@@ -126,6 +126,7 @@ class Engine:
             self.verify(Tree(tokens=[0] * size, parents=[-1] + [0] * (size - 1)))
         return time.perf_counter() - t0
 
+    @torch.inference_mode()
     def measure_costs(self, prompt: Prompt, reps: int = 3) -> float:
         """Time a step of every grid size on this prompt's prefix (median of ``reps``) to start the cost model;
         seconds spent. Trees are balanced binary trees (depth log2 n), shaped like real drafts for the mask."""
