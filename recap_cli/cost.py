@@ -13,6 +13,7 @@ import bisect
 from collections.abc import Sequence
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+REFRESH = 16
 
 
 class StepCost:
@@ -32,6 +33,8 @@ class StepCost:
         self.seconds: list[float] | None = None  # per grid size, None until measured
         self.host_per_node = 0.0  # drafting work (propose + observe) per tree node, seconds
         self._table: list[float] | None = None  # step(n) for n = 0..max, rebuilt lazily after updates
+        self._stale = 0  # observations since the table was built: estimates move slowly, so it is rebuilt
+        # every REFRESH observations, not every step (a rebuild is 64 interpolations: more than a step's drafting)
 
     @property
     def measured(self) -> bool:
@@ -47,6 +50,7 @@ class StepCost:
             raise ValueError("one timing per grid size")
         self.seconds = list(seconds)
         self._table = None
+        self._stale = 0
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A verification step of ``tokens`` took ``seconds``. One slow outlier (another process, a page fault)
@@ -58,13 +62,12 @@ class StepCost:
             if weight > 0:
                 s = min(seconds, 3 * self.seconds[j])
                 self.seconds[j] += self.alpha * weight * (s - self.seconds[j])
-        self._table = None
+        self._stale += 1
 
     def observe_host(self, nodes: int, seconds: float) -> None:
         """Drafting time of one step (propose + observe) for a tree of ``nodes`` nodes."""
         if nodes > 0:
             self.host_per_node += 0.1 * (seconds / nodes - self.host_per_node)
-            self._table = None
 
     def __call__(self, tokens: int) -> float:
         """Forward-pass seconds for a step of ``tokens`` tokens (the root included; at most ``max_tokens``)."""
@@ -77,7 +80,8 @@ class StepCost:
     def table(self) -> list[float]:
         """T(n) for n = 0..max_tokens: forward pass + drafting, made non-decreasing (a measured dip at some
         size is noise; a bigger tree is never cheaper), so that bounds on future rates hold."""
-        if self._table is None:
+        if self._table is None or self._stale >= REFRESH:
+            self._stale = 0
             t = [0.0]
             for n in range(1, self.max_tokens + 1):
                 t.append(max(t[-1], self(n) + self.host_per_node * n))
@@ -106,7 +110,10 @@ class SizeChooser:
     The bound: every node still to come has a chance <= ``next_chance`` (the best unplaced one), so a tree of
     k nodes emits at most E(n) + (k - n) * next_chance. Between two grid sizes a < k <= b that is at most
     E(n) + (b - n) * next_chance, over at least T(a + 1) seconds (T never decreases): one check per grid
-    segment, and the stop is never wrong.
+    segment. Where steps are cheap that bound stays loose (it assumes every later node as likely as the next),
+    and growth goes on long after the best size, paying drafting for nodes that are cut. So growth also stops
+    at twice the best size so far plus 4: a step-cost curve whose sizes double (the static buckets 16, 32, 64)
+    is still searched one bucket beyond the best.
     """
 
     def __init__(self, table: list[float], limit: int, grid: Sequence[int] = SIZES):
@@ -125,7 +132,7 @@ class SizeChooser:
 
     def worth_growing(self, next_chance: float) -> bool:
         n, t, e = self.n, self.t, self.expected
-        if n >= self.limit:
+        if n >= self.limit or n >= 2 * self.size + 4:
             return False
         a = n
         for b in self.grid[bisect.bisect_right(self.grid, n):]:

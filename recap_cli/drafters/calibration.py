@@ -62,6 +62,11 @@ class Calibration(Counts):
         b = bucket(p)
         return (self.hits[rank][b] + self.prior * p) / (self.tries[rank][b] + self.prior)
 
+    def first_child_bound(self) -> float:
+        """An upper bound on ``chance(0, p)`` for any p (p <= 1): what a node's best child can be worth before
+        its rows are mixed."""
+        return max((h + self.prior) / (t + self.prior) for h, t in zip(self.hits[0], self.tries[0]))
+
     def record(self, rank: int, p: float, hit: bool) -> None:
         b = bucket(p)
         self.tries[rank][b] += 1

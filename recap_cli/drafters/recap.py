@@ -41,6 +41,7 @@ ORDER_SOURCE = {1: Source.ORDER1, 2: Source.ORDER2, 3: Source.ORDER3}
 # A node's candidates: tokens and mixed probabilities best first, and the (order, row) pairs they came from.
 Candidates = tuple[Sequence[int], Sequence[float], list[tuple[int, Row]]]
 NO_CANDIDATES: Candidates = ((), (), [])
+FOLLOW, MIX = -1, -2  # heap entries that are not a ranked candidate: the continuation's token, a pending mix
 
 
 def _origin(found: list[tuple[int, Row]], token: int) -> Source:
@@ -208,22 +209,28 @@ class RecapDrafter(Drafter):
         only a node's best unplaced one waits in the heap, its next sibling takes its place when it is placed)
         and, on the path of the suffix continuation, that continuation's next token. A token both lanes
         propose is placed once, at the better chance. With ``budget="auto"`` the tree stops growing when no
-        bigger tree can beat the best expected tokens per second so far, and is cut to that best size."""
+        bigger tree can beat the best expected tokens per second so far, and is cut to that best size.
+
+        A node's rows are mixed only when it is its turn to grow children: until then it waits in the heap at
+        its path chance times an upper bound on any first child's chance, so the order is exactly best-first
+        and the leaves a tree ends with cost no mixing."""
         self._tail = tuple(context[-3:])
         max_depth = min(self.depth, room)
         n_match, follow = (self.index.continuation(context, min(self.suffix_len, room))
                            if self.suffix and room > 0 else (0, []))
         chance = self.calibration.chance if self.calibration is not None else _raw_chance
+        bound = self.calibration.first_child_bound() if self.calibration is not None else 1.0
         follow_chance = self.continuation.chance
         nodes = [(context[-1], -1, Source.ROOT, 1.0)]  # token, parent, source, path chance
+        # The root's rows are always mixed: its candidates are graded every step, even when the tree stays a root.
         keys, depths, cands = [self._tail], [0], [self.mix(self._tail) if max_depth > 0 else NO_CANDIDATES]
         on_path = [0 if follow else -1]  # node i's path = follow[:on_path[i]]; -1: off the continuation
         children: dict[tuple[int, int], int] = {}
-        frontier: list[tuple[float, int, int]] = []  # (-path chance, parent, rank in cands[parent]; -1: follow)
-        if cands[0][0]:
-            frontier.append((-chance(0, cands[0][1][0]), 0, 0))
+        # (-chance, node, what): what >= 0 places the rank-`what` candidate of cands[node]; FOLLOW places the
+        # continuation's next token under node; MIX mixes node's rows (its chance there is an upper bound).
+        frontier: list[tuple[float, int, int]] = [(-chance(0, cands[0][1][0]), 0, 0)] if cands[0][0] else []
         if follow:
-            heapq.heappush(frontier, (-follow_chance(n_match, 0), 0, -1))
+            heapq.heappush(frontier, (-follow_chance(n_match, 0), 0, FOLLOW))
         sizer = SizeChooser(self.cost.table(), self.cost.max_tokens) if self.wants_costs else None
         while frontier:
             if sizer is not None and not sizer.worth_growing(-frontier[0][0]):
@@ -231,12 +238,18 @@ class RecapDrafter(Drafter):
             if sizer is None and len(nodes) > self.budget:
                 break
             neg, parent, rank = heapq.heappop(frontier)
+            if rank == MIX:
+                cands[parent] = found = self.mix(keys[parent])
+                if found[0]:
+                    heapq.heappush(frontier, (-nodes[parent][3] * chance(0, found[1][0]), parent, 0))
+                continue
             if rank >= 0:
                 tokens, probs, found = cands[parent]
                 token = tokens[rank]
                 source = ORDER_SOURCE[found[0][0]] if len(found) == 1 else _origin(found, token)
                 if rank + 1 < len(tokens):
-                    heapq.heappush(frontier, (-nodes[parent][3] * chance(rank + 1, probs[rank + 1]), parent, rank + 1))
+                    nxt = -nodes[parent][3] * chance(rank + 1, probs[rank + 1])
+                    heapq.heappush(frontier, (nxt, parent, rank + 1))
             else:
                 token, source = follow[on_path[parent]], Source.SUFFIX
             if (parent, token) in children:
@@ -246,13 +259,13 @@ class RecapDrafter(Drafter):
             nodes.append((token, parent, source, -neg))
             keys.append((keys[parent] + (token,))[-3:])
             depths.append(depths[parent] + 1)
+            cands.append(NO_CANDIDATES)
             j = on_path[parent]
             on_path.append(j + 1 if 0 <= j and follow[j] == token and j + 1 < len(follow) else -1)
-            cands.append(self.mix(keys[i]) if depths[i] < max_depth else NO_CANDIDATES)
-            if cands[i][0]:
-                heapq.heappush(frontier, (neg * chance(0, cands[i][1][0]), i, 0))
+            if depths[i] < max_depth:
+                heapq.heappush(frontier, (neg * bound, i, MIX))
             if on_path[i] > 0:
-                heapq.heappush(frontier, (neg * follow_chance(n_match, on_path[i]), i, -1))
+                heapq.heappush(frontier, (neg * follow_chance(n_match, on_path[i]), i, FOLLOW))
             if sizer is not None:
                 sizer.place(-neg)
         if sizer is not None:
