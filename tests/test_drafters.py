@@ -262,11 +262,12 @@ def test_calibration_learns_that_overconfident_memories_fail():
     d = _seeded_chain_drafter(budget=0, depth=4, suffix=False)  # the root alone: nothing placed
     tree = d.propose([1, 2, 3], room=100)
     assert len(tree) == 1
-    first, second = d.calibration.chance(0, 0.6), d.calibration.chance(1, 0.2)
+    first, second = d.calibration.chance(0, 0.6, 1), d.calibration.chance(1, 0.2, 1)
     for _ in range(20):  # the model's argmax at the root is always the rank-1 candidate, 3 + 20
         d.observe(tree, Verified(path=[0], bonus=23, argmax=[23], rows=rows_of({23: 1.0})))
-    assert d.calibration.chance(0, 0.6) < first / 2
-    assert d.calibration.chance(1, 0.2) > second
+    assert d.calibration.chance(0, 0.6, 1) < first / 2
+    assert d.calibration.chance(1, 0.2, 1) > second
+    assert d.calibration.chance(0, 0.6, 2) == 0.6  # depth 2 was never tested: still the prior
     raw = _seeded_chain_drafter(budget=6, depth=4, suffix=False, calibrate=False)
     assert raw.calibration is None and raw.propose([1, 2, 3], room=100).tokens == \
         _seeded_chain_drafter(budget=6, depth=4, suffix=False).propose([1, 2, 3], room=100).tokens

@@ -51,26 +51,33 @@ class Counts:
 
 class Calibration(Counts):
     """P(a recycled candidate is accepted | its node was) per (rank among the node's candidates, bucket of the
-    remembered probability), starting at the remembered probability itself. A remembered probability is the
-    model's confidence in an *earlier* context, so it overrates recycled tokens where contexts alias."""
+    remembered probability, depth 1 / 2 / 3+), starting at the remembered probability itself. A remembered
+    probability is the model's confidence in an *earlier* context, so it overrates recycled tokens where
+    contexts alias. Depth matters because acceptances are not independent: a node deep in the tree is only
+    tested when its whole path was right, on a stretch of text that is predictable, where the next token is
+    more often right too; one figure for all depths would make long paths look less likely than they are."""
+
+    DEPTHS = 3
 
     def __init__(self, width: int, prior: float = 4.0):
         self.width, self.prior = width, prior
-        super().__init__(width, len(BUCKETS) + 1)
+        super().__init__(width * self.DEPTHS, len(BUCKETS) + 1)
 
-    def chance(self, rank: int, p: float) -> float:
-        b = bucket(p)
-        return (self.hits[rank][b] + self.prior * p) / (self.tries[rank][b] + self.prior)
+    def chance(self, rank: int, p: float, depth: int) -> float:
+        """For a candidate at tree depth ``depth`` (1: a child of the root)."""
+        row, b = rank * self.DEPTHS + min(depth, self.DEPTHS) - 1, bucket(p)
+        return (self.hits[row][b] + self.prior * p) / (self.tries[row][b] + self.prior)
 
     def first_child_bound(self) -> float:
-        """An upper bound on ``chance(0, p)`` for any p (p <= 1): what a node's best child can be worth before
-        its rows are mixed."""
-        return max((h + self.prior) / (t + self.prior) for h, t in zip(self.hits[0], self.tries[0]))
+        """An upper bound on ``chance(0, p, depth)`` for any p (p <= 1) and depth: what a node's best child can
+        be worth before its rows are mixed."""
+        return max((h + self.prior) / (t + self.prior)
+                   for d in range(self.DEPTHS) for h, t in zip(self.hits[d], self.tries[d]))
 
-    def record(self, rank: int, p: float, hit: bool) -> None:
-        b = bucket(p)
-        self.tries[rank][b] += 1
-        self.hits[rank][b] += hit
+    def record(self, rank: int, p: float, depth: int, hit: bool) -> None:
+        row, b = rank * self.DEPTHS + min(depth, self.DEPTHS) - 1, bucket(p)
+        self.tries[row][b] += 1
+        self.hits[row][b] += hit
 
 
 class ChainCalibration(Counts):

@@ -75,8 +75,9 @@ class RecapDrafter(Drafter):
         self.calibration = Calibration(self.width) if calibrate else None
         self.continuation = ChainCalibration()  # the suffix lane's chances, learned with or without calibrate
         # Nodes whose candidates the last tree drafted from: (tree index, mixed candidates, continuation token
-        # or None, its step along the continuation); observe() grades them where the node was accepted.
-        self._tested: list[tuple[int, Candidates, int | None, int]] = []
+        # or None, its step along the continuation, the candidates' depth); observe() grades them where the node
+        # was accepted.
+        self._tested: list[tuple[int, Candidates, int | None, int, int]] = []
         self._n_match = 0
 
     @property
@@ -99,13 +100,13 @@ class RecapDrafter(Drafter):
     def _grade(self, verified: Verified) -> None:
         """Every candidate of an accepted node was put to the test: it passed iff it is the argmax there."""
         accepted = set(verified.path)
-        for i, cands, follow_token, j in self._tested:
+        for i, cands, follow_token, j, depth in self._tested:
             if i not in accepted:
                 continue
             best = verified.argmax[i]
             if self.calibration is not None:
                 for rank, (token, prob) in enumerate(zip(cands[0], cands[1])):
-                    self.calibration.record(rank, prob, token == best)
+                    self.calibration.record(rank, prob, depth, token == best)
             if follow_token is not None:
                 self.continuation.record(self._n_match, j, follow_token == best)
 
@@ -228,7 +229,7 @@ class RecapDrafter(Drafter):
         children: dict[tuple[int, int], int] = {}
         # (-chance, node, what): what >= 0 places the rank-`what` candidate of cands[node]; FOLLOW places the
         # continuation's next token under node; MIX mixes node's rows (its chance there is an upper bound).
-        frontier: list[tuple[float, int, int]] = [(-chance(0, cands[0][1][0]), 0, 0)] if cands[0][0] else []
+        frontier: list[tuple[float, int, int]] = [(-chance(0, cands[0][1][0], 1), 0, 0)] if cands[0][0] else []
         if follow:
             heapq.heappush(frontier, (-follow_chance(n_match, 0), 0, FOLLOW))
         sizer = SizeChooser(self.cost.table(), self.cost.max_tokens) if self.wants_costs else None
@@ -241,14 +242,15 @@ class RecapDrafter(Drafter):
             if rank == MIX:
                 cands[parent] = found = self.mix(keys[parent])
                 if found[0]:
-                    heapq.heappush(frontier, (-nodes[parent][3] * chance(0, found[1][0]), parent, 0))
+                    heapq.heappush(frontier, (-nodes[parent][3] * chance(0, found[1][0], depths[parent] + 1),
+                                              parent, 0))
                 continue
             if rank >= 0:
                 tokens, probs, found = cands[parent]
                 token = tokens[rank]
                 source = ORDER_SOURCE[found[0][0]] if len(found) == 1 else _origin(found, token)
                 if rank + 1 < len(tokens):
-                    nxt = -nodes[parent][3] * chance(rank + 1, probs[rank + 1])
+                    nxt = -nodes[parent][3] * chance(rank + 1, probs[rank + 1], depths[parent] + 1)
                     heapq.heappush(frontier, (nxt, parent, rank + 1))
             else:
                 token, source = follow[on_path[parent]], Source.SUFFIX
@@ -271,8 +273,8 @@ class RecapDrafter(Drafter):
         if sizer is not None:
             del nodes[sizer.size:]
         tree, where = _layout(nodes)
-        self._tested = [(where[i], cands[i], follow[on_path[i]] if on_path[i] >= 0 else None, on_path[i])
-                        for i in range(len(nodes)) if cands[i][0] or on_path[i] >= 0]
+        self._tested = [(where[i], cands[i], follow[on_path[i]] if on_path[i] >= 0 else None, on_path[i],
+                         depths[i] + 1) for i in range(len(nodes)) if cands[i][0] or on_path[i] >= 0]
         self._n_match = n_match
         self.grown = len(children) + 1
         return tree
@@ -299,5 +301,5 @@ def _layout(nodes: list[tuple[int, int, int, float]]) -> tuple[Tree, dict[int, i
     return tree, new_index
 
 
-def _raw_chance(rank: int, p: float) -> float:
+def _raw_chance(rank: int, p: float, depth: int) -> float:
     return p
