@@ -26,7 +26,7 @@ def _on_off(value: str) -> bool:
 
 KNOB_PARSERS: dict[str, Callable[[str], object]] = {
     "mixing": str, "budget": str, "depth": int, "width": int, "top_k": int, "suffix_len": int,
-    "suffix": _on_off, "calibrate": _on_off,
+    "suffix": _on_off, "calibrate": _on_off, "depths": int,
     "orders": lambda v: tuple(int(c) for c in v),
 }
 

@@ -57,25 +57,23 @@ class Calibration(Counts):
     tested when its whole path was right, on a stretch of text that is predictable, where the next token is
     more often right too; one figure for all depths would make long paths look less likely than they are."""
 
-    DEPTHS = 3
-
-    def __init__(self, width: int, prior: float = 4.0):
-        self.width, self.prior = width, prior
-        super().__init__(width * self.DEPTHS, len(BUCKETS) + 1)
+    def __init__(self, width: int, prior: float = 4.0, depths: int = 3):
+        self.width, self.prior, self.depths = width, prior, depths  # depths=1: one figure for all depths
+        super().__init__(width * depths, len(BUCKETS) + 1)
 
     def chance(self, rank: int, p: float, depth: int) -> float:
         """For a candidate at tree depth ``depth`` (1: a child of the root)."""
-        row, b = rank * self.DEPTHS + min(depth, self.DEPTHS) - 1, bucket(p)
+        row, b = rank * self.depths + min(depth, self.depths) - 1, bucket(p)
         return (self.hits[row][b] + self.prior * p) / (self.tries[row][b] + self.prior)
 
     def first_child_bound(self) -> float:
         """An upper bound on ``chance(0, p, depth)`` for any p (p <= 1) and depth: what a node's best child can
         be worth before its rows are mixed."""
         return max((h + self.prior) / (t + self.prior)
-                   for d in range(self.DEPTHS) for h, t in zip(self.hits[d], self.tries[d]))
+                   for d in range(self.depths) for h, t in zip(self.hits[d], self.tries[d]))
 
     def record(self, rank: int, p: float, depth: int, hit: bool) -> None:
-        row, b = rank * self.DEPTHS + min(depth, self.DEPTHS) - 1, bucket(p)
+        row, b = rank * self.depths + min(depth, self.depths) - 1, bucket(p)
         self.tries[row][b] += 1
         self.hits[row][b] += hit
 

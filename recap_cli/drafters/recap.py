@@ -56,7 +56,7 @@ class RecapDrafter(Drafter):
     def __init__(self, vocab_size: int, banned: Iterable[int] = (), orders: Iterable[int] = (1, 2, 3),
                  mixing: str = "confidence", weights: tuple[float, ...] = CONFIDENCE_WEIGHTS, suffix: bool = True,
                  suffix_len: int = 10, suffix_max_n: int = 8, budget: int | str = "auto", depth: int = 8,
-                 width: int = 8, top_k: int = 8, cap: int = 1 << 16, calibrate: bool = True):
+                 width: int = 8, top_k: int = 8, cap: int = 1 << 16, calibrate: bool = True, depths: int = 3):
         if mixing not in ("confidence", "fixed"):
             raise ValueError("mixing is 'confidence' or 'fixed'")
         if budget != "auto" and not (isinstance(budget, int) and budget >= 0):
@@ -72,7 +72,7 @@ class RecapDrafter(Drafter):
         self.keyed = {2: KeyedMemory(cap), 3: KeyedMemory(cap)}
         self.index = NgramIndex(suffix_max_n, keep="latest", skip=self.banned)
         self._tail: tuple[int, ...] = ()
-        self.calibration = Calibration(self.width) if calibrate else None
+        self.calibration = Calibration(self.width, depths=depths) if calibrate else None
         self.continuation = ChainCalibration()  # the suffix lane's chances, learned with or without calibrate
         # Nodes whose candidates the last tree drafted from: (tree index, mixed candidates, continuation token
         # or None, its step along the continuation, the candidates' depth); observe() grades them where the node
