@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from functools import lru_cache
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 REFRESH = 16
@@ -121,7 +122,7 @@ class SizeChooser:
         self.limit = min(limit, len(table) - 1)
         self.n, self.expected = 1, 1.0
         self.size, self.best = 1, 1.0 / table[1]
-        self.grid = sorted({g for g in grid if g < self.limit} | {self.limit})
+        self.grid = _checkpoints(self.limit, tuple(grid))
 
     def place(self, chance: float) -> None:
         self.n += 1
@@ -140,6 +141,12 @@ class SizeChooser:
                 return True
             a = b
         return False
+
+
+@lru_cache(maxsize=64)
+def _checkpoints(limit: int, grid: tuple[int, ...]) -> tuple[int, ...]:
+    """The grid sizes below ``limit``, then ``limit``: where growth checks its bound (once per limit, not per step)."""
+    return tuple(sorted({g for g in grid if g < limit} | {limit}))
 
 
 def best_size(chances: Sequence[float], table: list[float], limit: int) -> int:

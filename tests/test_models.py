@@ -72,7 +72,8 @@ def unreachable():
 def test_unreachable_hub_names_the_download_command(fake_hub, error):
     fake_hub.raises = error
     with pytest.raises(ModelError, match=r"^the Hugging Face hub cannot be reached to download "
-                                         r"'Qwen/Qwen2.5-VL-7B-Instruct': run `hf download Qwen/Qwen2.5-VL-7B-Instruct`"):
+                                         r"'Qwen/Qwen2.5-VL-7B-Instruct': "
+                                         r"run `hf download Qwen/Qwen2.5-VL-7B-Instruct`"):
         load("qwen2.5-vl-7b", device="cpu")
     assert fake_hub.calls == [REPO]
 
