@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from contextlib import nullcontext
 from pathlib import Path
-from typing import IO, Iterator, Optional
+from typing import IO, Optional
 
 import orjson
 import typer
@@ -149,7 +149,7 @@ def run(
     stop = None  # the exit code of a run that did not reach the end of its input
     capped = False
     with safety.terminate_as_interrupt(), \
-            (open(output, "ab" if resume else "wb") if output else nullcontext(sys.stdout.buffer)) as sink, \
+            _sink(output, resume) as sink, \
             _progress(total) as progress:
         task = progress.add_task("answering", total=total)
         try:
@@ -221,7 +221,7 @@ def compare(
     requests = []
     for path in inputs:
         source, base, _ = _open_inputs(str(path))
-        for req in _requests(source, base):
+        for req in records.read(source, base):
             req.dataset = req.dataset or path.stem
             requests.append(req)
     adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
@@ -275,7 +275,7 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
         from . import scale
     except ImportError:
         fail(escape("--ray needs Ray: pip install 'recap-cli[ray]' (or -e \".[ray]\" in a checkout)"))
-    with (open(output, "ab" if resume else "wb") if output else nullcontext(sys.stdout.buffer)) as sink, \
+    with _sink(output, resume) as sink, \
             _progress(total) as progress:
         task = progress.add_task("answering", total=total)
         try:
@@ -321,10 +321,6 @@ def _open_inputs(inputs: str) -> tuple[IO[bytes], Path, int | None]:
     return open(path, "rb"), path.resolve().parent, sum(1 for line in data.splitlines() if line.strip())
 
 
-def _requests(source: IO[bytes], base: Path) -> Iterator[records.Request]:
-    return records.read(source, base)
-
-
 def _recap_knobs(method: str, **given) -> dict:
     knobs = {k: v for k, v in given.items() if v is not None}
     if knobs and method != "recap":
@@ -342,6 +338,11 @@ def _budget(method: str, value: str) -> int | str:
         return comparison.parse_budget(method, value)
     except ValueError as exc:
         fail(f"--budget: {exc}")
+
+
+def _sink(output: Path | None, resume: bool):
+    """Where records go: --output (appended to when resuming), else stdout."""
+    return open(output, "ab" if resume else "wb") if output else nullcontext(sys.stdout.buffer)
 
 
 def _write(sink: IO[bytes], record: dict) -> None:

@@ -38,14 +38,20 @@ class Request:
 
 
 def read(source: IO[bytes], base: Path) -> Iterator[Request]:
-    """Every non-blank line of a JSONL stream as a Request, numbered from 1; a UTF-8 byte order mark (what some
-    Windows editors write) is not part of line 1."""
+    """Every non-blank line of a JSONL stream as a Request, numbered from 1."""
+    for line_no, raw in numbered_lines(source):
+        yield parse_line(raw, line_no, base)
+
+
+def numbered_lines(source: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+    """(line number from 1, raw bytes) of every non-blank line, the stream closed at the end; a UTF-8 byte order
+    mark (what some Windows editors write) is not part of line 1."""
     with source:
         for line_no, raw in enumerate(source, start=1):
             if line_no == 1:
                 raw = raw.removeprefix(codecs.BOM_UTF8)
             if raw.strip():
-                yield parse_line(raw, line_no, base)
+                yield line_no, raw
 
 
 def parse_line(raw: bytes, line: int, base: Path) -> Request:

@@ -13,7 +13,6 @@ retry never duplicates, and the driver drops any line number it has already writ
 
 from __future__ import annotations
 
-import codecs
 import math
 import os
 import tempfile
@@ -79,9 +78,7 @@ class Outcome:
 def run(source: IO[bytes], job: Job, cluster: Cluster, sink: IO[bytes], output: Path | None, resume: bool,
         memory: Path | None, progress=None) -> Outcome:
     """Answer every line of ``source`` on the cluster and write the records to ``sink`` in input order."""
-    with source:
-        lines = [(n, raw.removeprefix(codecs.BOM_UTF8) if n == 1 else raw)  # as records.read: a BOM is no data
-                 for n, raw in enumerate(source, start=1) if raw.strip()]
+    lines = list(records.numbered_lines(source))
     if resume and output is not None:
         todo = pending(lines, output, job.base)
         for _ in range(len(lines) - len(todo)):
