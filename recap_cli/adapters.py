@@ -57,6 +57,7 @@ class Adapter:
 
     arch = "text"
     supports_images = False
+    token_inputs = ("mm_token_type_ids", "token_type_ids")  # model inputs that hold one value per prompt token
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any):
         self.model = model
@@ -79,6 +80,28 @@ class Adapter:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def batch_inputs(self, prompts: list[Prompt]) -> dict[str, Any]:
+        """One forward pass's inputs for several prompts, right-padded: row r's tokens at columns 0..L_r-1, as
+        the batched cache keeps them. Padding comes after every real token of its row, so no real token sees
+        it, and a 2-D attention mask hides it from the rest. Image inputs are concatenated in row order (models
+        fill image placeholders in order across the batch); where their shapes differ they are zero-padded
+        along their own dimensions (LLaVA-NeXT's patch counts: the model cuts each image's back off)."""
+        width = max(p.length for p in prompts)
+        ids = torch.stack([_pad_row(p.input_ids[0], width, int(p.input_ids[0, -1])) for p in prompts])
+        mask = torch.stack([_pad_row(torch.ones_like(p.input_ids[0]), width, 0) for p in prompts])
+        inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
+        if any(p.position_ids is not None for p in prompts):  # M-RoPE: each row's own (3, L_r) grid positions
+            rows = [p.position_ids[:, 0] if p.position_ids is not None
+                    else torch.arange(p.length, device=self.device).expand(3, -1) for p in prompts]
+            inputs["position_ids"] = torch.stack([_pad_row(r, width, 0) for r in rows], dim=1)
+        for key in dict.fromkeys(k for p in prompts for k in p.model_inputs):
+            if key in self.token_inputs:  # one value per token: padded like input_ids
+                inputs[key] = torch.stack([_pad_row(p.model_inputs[key][0], width, 0) if key in p.model_inputs
+                                           else torch.zeros_like(ids[0]) for p in prompts])
+            else:
+                inputs[key] = _cat_padded([p.model_inputs[key] for p in prompts if key in p.model_inputs])
+        return inputs
+
     # Hooks for architectures whose layers differ (default: one mask serves every layer).
 
     def new_cache(self, capacity: int | None = None):
@@ -93,8 +116,8 @@ class Adapter:
 
     def layer_masks(self, mask: torch.Tensor, positions: torch.Tensor,
                     length: int) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The tree-step mask(s), given the ancestry mask over the ``length`` cached positions and the nodes at
-        ``positions`` (1, T)."""
+        """The tree-step mask(s), given the (B, 1, T, K) ancestry mask and the nodes' ``positions`` (B, T). Cached
+        column c < ``length`` holds position c (1-D positions); the step's nodes sit at columns ``length``.."""
         return mask
 
 
@@ -185,19 +208,39 @@ class Gemma3Adapter(VisionAdapter):
             mask = mask.clone()
             mask[0, 0, :, :n].masked_fill_(same, 0.0)
         keys = torch.arange(mask.shape[-1], device=mask.device)
-        return self._by_layer(mask, keys[:n], keys)
+        return self._by_layer(mask, keys[None, :n], keys[None])
 
     def layer_masks(self, mask: torch.Tensor, positions: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
-        keys = torch.arange(mask.shape[-1], device=mask.device)  # cached rows 0..length-1 sit at their positions,
-        keys[length:length + positions.shape[1]] = positions[0]  # the step's nodes at theirs
-        return self._by_layer(mask, positions[0], keys)
+        # Cached rows 0..length-1 sit at their positions (a batched row's columns past its own length are
+        # masked anyway), the step's nodes at theirs.
+        keys = torch.arange(mask.shape[-1], device=mask.device).repeat(positions.shape[0], 1)
+        keys[:, length:length + positions.shape[1]] = positions
+        return self._by_layer(mask, positions, keys)
 
     def _by_layer(self, mask: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         """Sliding layers also drop keys ``window`` or more positions behind the query (masking_utils'
-        ``sliding_window_overlay``: k > q - window)."""
-        near = (queries[:, None] - keys[None, :]) < self.window
-        sliding = mask.masked_fill(~near, torch.finfo(mask.dtype).min)
+        ``sliding_window_overlay``: k > q - window); queries (B, T), keys (B, K)."""
+        near = (queries[:, :, None] - keys[:, None, :]) < self.window
+        sliding = mask.masked_fill(~near[:, None], torch.finfo(mask.dtype).min)
         return {"full_attention": mask, "sliding_attention": sliding}
+
+
+def _pad_row(row: torch.Tensor, width: int, fill: int) -> torch.Tensor:
+    """``row`` (..., L) padded with ``fill`` to (..., width) along its last dimension."""
+    extra = width - row.shape[-1]
+    return row if extra == 0 else torch.nn.functional.pad(row, (0, extra), value=fill)
+
+
+def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along dim 0, zero-padding every other dimension to the largest."""
+    shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
+    padded = []
+    for t in tensors:
+        pad: list[int] = []
+        for d in reversed(range(1, t.dim())):
+            pad += [0, shape[d - 1] - t.shape[d]]
+        padded.append(torch.nn.functional.pad(t, pad) if any(pad) else t)
+    return torch.cat(padded)
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from PIL import Image
+
+from .adapters import Adapter, Message, Prompt
 from .engine import Generation
 from .records import Request, as_parts, first_line, load_image, user_message
 from .session import GenerateSession, Session
@@ -45,6 +49,14 @@ class Totals:
         }
 
 
+def run_figures(totals: Totals, wall_s: float, batch: int, occupancy: float | None) -> dict:
+    """What people captioning a folder measure: requests per hour and tokens per second of wall time, and how
+    full the batch was (mean rows per step; None at batch 1)."""
+    return {"batch": batch, "wall_s": wall_s, "mean_occupancy": occupancy,
+            "requests_per_hour": 3600 * totals.items / wall_s if wall_s else 0.0,
+            "wall_tokens_per_s": totals.new_tokens / wall_s if wall_s else 0.0}
+
+
 def answer(session: Session | GenerateSession, req: Request, model: str, max_new_tokens: int) -> dict:
     """The output record for one request; any per-request failure becomes its ``error``."""
     return answer_with_tokens(session, req, model, max_new_tokens)[0]
@@ -55,17 +67,32 @@ def answer_with_tokens(session: Session | GenerateSession, req: Request, model: 
     """The record and each turn's token ids (empty on error), for callers that check exactness."""
     if req.error is not None:
         return error_record(req, session.method, model, req.error), []
+    turns = _turns(session.adapter, req, session.method, model, req.max_new_tokens or max_new_tokens)
     try:
-        return _answer(session, req, model, req.max_new_tokens or max_new_tokens)
-    except ValueError as exc:  # bad image, image given to a text model, ...
-        return error_record(req, session.method, model, str(exc)), []
-    except RuntimeError as exc:  # e.g. out of memory on one huge input: that record fails, the run goes on
-        return error_record(req, session.method, model, f"{type(exc).__name__}: {first_line(exc)}"), []
+        ask = next(turns)
+        while True:
+            ask = turns.send(session.answer(*ask))
+    except StopIteration as done:
+        return done.value
+    except (ValueError, RuntimeError) as exc:  # bad image, image given to a text model, out of memory, ...
+        return error_record(req, session.method, model, failure(exc)), []
 
 
-def _answer(session: Session | GenerateSession, req: Request, model: str,
-            max_new_tokens: int) -> tuple[dict, list[list[int]]]:
-    adapter = session.adapter
+def failure(exc: BaseException) -> str:
+    """A per-request failure as its record's ``error``: the message of a bad input (ValueError), else the
+    exception's type and first line (out of memory on one huge input, ...)."""
+    return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {first_line(exc)}"
+
+
+REFILL_SHARE = 4  # free rows are refilled once a quarter of the batch is free (see InFlight.run)
+Ask = tuple[list[Message], list[Image.Image], int]  # one turn to decode: messages, images, max new tokens
+Answered = tuple[dict, list[list[int]]]  # a request's record and each turn's token ids
+
+
+def _turns(adapter: Adapter, req: Request, method: str, model: str,
+           max_new_tokens: int) -> Generator[Ask, Generation, Answered]:
+    """A request as a conversation: yields each turn to decode and receives its generation, so one request's
+    logic serves a batch-1 loop and a batch of requests in flight alike; returns the record."""
     images = [load_image(req.image, root=req.root)] if req.image is not None else []
     conversation = list(req.history)
     # The image belongs to the first user turn: a given one, else the first turn to answer.
@@ -78,15 +105,96 @@ def _answer(session: Session | GenerateSession, req: Request, model: str,
         conversation.append(user_message(turn, image_pending))
         image_pending = False
         messages = [as_parts(m) for m in conversation] if adapter.supports_images else conversation
-        gen = session.answer(messages, images, max_new_tokens)
+        gen = yield messages, images, max_new_tokens
         text = adapter.decode(gen.tokens)
         answers.append(text)
         gens.append(gen)
         conversation.append({"role": "assistant", "content": text})
-    record = result_record(req, session.method, model, answers[-1], gens)
+    record = result_record(req, method, model, answers[-1], gens)
     if len(req.turns) > 1:
         record["answers"] = answers
     return record, [g.tokens for g in gens]
+
+
+def answer_all(session: Session | GenerateSession, requests: Iterable[Request], model: str,
+               max_new_tokens: int) -> Iterator[Answered]:
+    """Every request's record (and tokens) in input order. With ``session.batch`` > 1 up to that many turns
+    decode together: a finished record waits until those before it are out, and is yielded as soon as they
+    are."""
+    if getattr(session, "batch", 1) <= 1:
+        for req in requests:
+            yield answer_with_tokens(session, req, model, max_new_tokens)
+        return
+    yield from InFlight(session, model, max_new_tokens).run(requests)
+
+
+class InFlight:
+    """Continuous batching over a stream of requests: whenever rows are free the next requests (or the next
+    turns of multi-turn ones) are prefilled together and join; records leave in input order."""
+
+    def __init__(self, session: Session, model: str, max_new_tokens: int):
+        self.session, self.model, self.max_new_tokens = session, model, max_new_tokens
+        self.batch = session.new_batch()
+        self.turns: dict[int, tuple[Request, Generator[Ask, Generation, Answered]]] = {}
+        self.asking: list[tuple[int, Prompt, int]] = []  # turns waiting to join: (request, prompt, limit)
+        self.done: dict[int, Answered] = {}
+        self.started = self.next_out = 0
+        self.refill = max(1, self.batch.size // REFILL_SHARE)
+
+    def run(self, requests: Iterable[Request]) -> Iterator[Answered]:
+        pending = iter(requests)
+        exhausted = False
+        while True:
+            # Rows are refilled once enough are free: prefilling several turns in one forward pass costs far
+            # less per turn than one at a time (demo model, 2 cores: 14 ms for one, 7 ms each for four).
+            if self.batch.size - len(self.batch) >= self.refill or not self.batch or exhausted:
+                while not exhausted and len(self.batch) + len(self.asking) < self.batch.size:
+                    req = next(pending, None)
+                    if req is None:
+                        exhausted = True
+                    else:
+                        self._begin(req)
+                while self.asking:  # joining may end turns at once (and start next turns): until all have joined
+                    asking, self.asking = self.asking, []
+                    for seq, result in self.batch.add(asking):
+                        self._resume(seq, result)
+            yield from self._ready()
+            if not self.batch:
+                if exhausted:
+                    break
+                continue
+            for seq, result in self.batch.step():
+                self._resume(seq, result)
+            yield from self._ready()
+
+    def _begin(self, req: Request) -> None:
+        seq, self.started = self.started, self.started + 1
+        if req.error is not None:
+            self.done[seq] = error_record(req, self.session.method, self.model, req.error), []
+            return
+        limit = req.max_new_tokens or self.max_new_tokens
+        self.turns[seq] = req, _turns(self.session.adapter, req, self.session.method, self.model, limit)
+        self._resume(seq, None)
+
+    def _resume(self, seq: int, result: Generation | Exception | None) -> None:
+        """Hand a request its turn's result and prepare its next turn (which waits to join), or finish it."""
+        req, turns = self.turns[seq]
+        try:
+            if isinstance(result, Exception):
+                raise result
+            ask = next(turns) if result is None else turns.send(result)
+            self.asking.append((seq, *self.session.prepare(*ask)))
+            return
+        except StopIteration as stop:
+            self.done[seq] = stop.value
+        except Exception as exc:  # noqa: BLE001 - a request's failure is its record's, never the batch's
+            self.done[seq] = error_record(req, self.session.method, self.model, failure(exc)), []
+        del self.turns[seq]
+
+    def _ready(self) -> Iterator[Answered]:
+        while self.next_out in self.done:
+            yield self.done.pop(self.next_out)
+            self.next_out += 1
 
 
 def result_record(req: Request, method: str, model: str, answer: str, gens: list[Generation]) -> dict:

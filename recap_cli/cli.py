@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
 from typing import IO, Optional
@@ -15,7 +17,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from . import compare as comparison
 from . import records, report, safety
-from .batch import Totals, answer
+from .batch import Totals, answer_all, run_figures
+from .batched import DEFAULT_BATCH, default_batch
 from .drafters import METHODS
 from .models import FAMILIES, ModelError, load, locate, on_disk
 from .session import MemoryFileError, Session
@@ -95,7 +98,11 @@ def run(
     suffix: Optional[bool] = typer.Option(None, "--suffix/--no-suffix", help="recap: suffix continuations"),
     calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate",
                                              help="recap: learn acceptance chances online (else raw probabilities)"),
-    compile: str = typer.Option("auto", help="static KV cache + CUDA graphs: auto (on with CUDA), on or off"),
+    compile: str = typer.Option("auto", help="static KV cache + CUDA graphs at batch 1: auto (on with CUDA), on "
+                                "or off"),
+    batch: Optional[int] = typer.Option(None, min=1, help="requests decoding together, each with its own draft "
+                                        f"tree (continuous batching) [default: {DEFAULT_BATCH['cpu']} on CPU, "
+                                        f"{DEFAULT_BATCH['cuda']} on CUDA]"),
     offline: bool = typer.Option(False, help="never ask the hub; use the local cache only (also HF_HUB_OFFLINE=1)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress, info or summary on stderr (errors still "
                                "print; --summary still writes)"),
@@ -122,15 +129,19 @@ def run(
         knobs["budget"] = _budget(method, budget)
     if compile not in ("auto", "on", "off"):
         fail("--compile takes auto, on or off")
+    if compile == "on" and (batch or 1) > 1:
+        fail("--compile on serves batch 1 (static cache + CUDA graphs); batched decoding runs eagerly: "
+             "drop --compile or use --batch 1")
     if ray is not None:
         job = dict(model=model, method=method, knobs=knobs, compile=compile, device=device, dtype=dtype, attn=attn,
-                   max_new_tokens=max_new_tokens, base=base)
+                   max_new_tokens=max_new_tokens, base=base, batch=batch)
         _run_on_ray(source, job, dict(address=ray, workers=workers, gpus_per_worker=gpus_per_worker,
                                       cpus_per_worker=cpus_per_worker), output, resume, memory, summary, total)
     adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
+    batch = batch or default_batch(adapter.device.type)
     try:
-        session = _session(adapter, method, knobs, compile == "on" or (compile == "auto" and
-                                                                    adapter.device.type == "cuda"))
+        session = _session(adapter, method, knobs, compile == "on" or (compile == "auto" and batch == 1 and
+                                                                    adapter.device.type == "cuda"), batch)
     except (ModelError, ValueError) as exc:
         fail(str(exc))
     if memory is not None and memory.is_file():
@@ -147,12 +158,13 @@ def run(
                   "wrote them): their lines are answered again", highlight=False)
     totals = Totals()
     stop = None  # the exit code of a run that did not reach the end of its input
-    capped = False
     with safety.terminate_as_interrupt(), \
             _sink(output, resume) as sink, \
             _progress(total) as progress:
         task = progress.add_task("answering", total=total)
-        try:
+
+        def todo() -> Iterator[records.Request]:
+            capped = False
             for req in records.read(source, base):
                 if records.answer_key(req) in skip:
                     progress.advance(task)
@@ -161,7 +173,11 @@ def run(
                     capped = True
                     err.print(f"line {req.line} asks for more than --max-new-tokens {max_new_tokens}: capped "
                               "(--allow-longer lets records go past it)", highlight=False)
-                record = answer(session, req, model, max_new_tokens)
+                yield req
+
+        t0 = time.perf_counter()
+        try:
+            for record, _ in answer_all(session, todo(), model, max_new_tokens):
                 _write(sink, record)
                 totals.add(record)
                 progress.advance(task)
@@ -172,7 +188,7 @@ def run(
             stop = EXIT_CLOSED_STDOUT
     if memory is not None and session.save_memory(memory):
         info(f"memory saved to {memory}")
-    _report(totals, summary, stop)
+    _report(totals, summary, stop, run_figures(totals, time.perf_counter() - t0, session.batch, session.occupancy))
     if stop is not None:
         raise typer.Exit(stop)
     raise typer.Exit(EXIT_FAILED_RECORDS if totals.errors else EXIT_OK)
@@ -199,6 +215,8 @@ def compare(
     max_new_tokens: int = typer.Option(200, min=1),
     warmup: int = typer.Option(1, min=0, help="inputs run untimed through every method first"),
     keep_memory: bool = typer.Option(False, help="keep drafter memory across datasets (default: clear it)"),
+    batch: int = typer.Option(1, min=1, help="requests decoding together for every method (recap run --batch); "
+                              "speedups then also show throughput over wall time (wall×)"),
     report_dir: Optional[Path] = typer.Option(None, "--report", help="write report.md and speedups.png here"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the summary and every measurement here"),
     device: str = typer.Option("auto"),
@@ -225,7 +243,10 @@ def compare(
             req.dataset = req.dataset or path.stem
             requests.append(req)
     adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
-    sessions = {label: comparison.make_session(adapter, label) for label in labels}
+    try:
+        sessions = {label: comparison.make_session(adapter, label, batch) for label in labels}
+    except ValueError as exc:
+        fail(str(exc))
     with _progress(len(requests)) as progress:
         task = progress.add_task("comparing", total=len(requests))
 
@@ -237,7 +258,7 @@ def compare(
         rows = comparison.run(sessions, requests, baseline, model, max_new_tokens, warmup, keep_memory, emit)
     summary = comparison.summarize(rows, baseline)
     report.table(summary, baseline, err)
-    header = (f"model `{model}`, {len(requests)} inputs, max {max_new_tokens} new tokens, "
+    header = (f"model `{model}`, {len(requests)} inputs, batch {batch}, max {max_new_tokens} new tokens, "
               f"device {adapter.device}, dtype {str(adapter.model.dtype).removeprefix('torch.')}")
     if json_out is not None:
         json_out.write_bytes(orjson.dumps({"setup": header, "baseline": baseline, "summary": summary,
@@ -295,11 +316,11 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
     raise typer.Exit(EXIT_FAILED_RECORDS if outcome.totals.errors else EXIT_OK)
 
 
-def _session(adapter, method: str, knobs: dict, compiled: bool) -> Session:
+def _session(adapter, method: str, knobs: dict, compiled: bool, batch: int = 1) -> Session:
     """The run's session; with ``compiled``, every step shape is compiled up front, and a failure to compile
     falls back to eager decoding (the fast path must never cost a user the run)."""
     if not compiled:
-        return Session(adapter, method, **knobs)
+        return Session(adapter, method, batch=batch, **knobs)
     session = Session(adapter, method, static=True, compile=True, **knobs)
     try:
         seconds = session.warm_up([records.as_parts(records.user_message("Hello.", False))], [])
@@ -362,12 +383,17 @@ def _report(totals: Totals, summary: Path | None, stop: int | None, extra: dict 
     s = {**totals.summary(), **(extra or {})}
     interrupted = stop is not None
     note = f" ({STOPS[stop]})" if interrupted else ""
-    info(f"{s['items']} items, {s['errors']} errors, {s['new_tokens']} tokens, "
-         f"{s['tokens_per_s']:.1f} tokens/s, mean accepted {s['mean_accepted']:.2f}{note}")
-    if "wall_s" in s:
+    if "wall_s" in s:  # what a batch of work is measured by: wall time
+        rate = (f"in {s['wall_s']:.1f} s, {s['requests_per_hour']:.0f} requests/hour, "
+                f"{s['wall_tokens_per_s']:.1f} tokens/s")
+    else:
+        rate = f"{s['tokens_per_s']:.1f} tokens/s"
+    rows = f", batch {s['batch']} ({s['mean_occupancy']:.1f} rows in flight)" if s.get("mean_occupancy") else ""
+    info(f"{s['items']} items, {s['errors']} errors, {s['new_tokens']} tokens {rate}, "
+         f"mean accepted {s['mean_accepted']:.2f}{rows}{note}")
+    if "workers" in s:
         restarts = f" ({s['restarts']} restarted)" if s["restarts"] else ""
-        info(f"{s['workers']} workers{restarts}: {s['wall_s']:.1f} s wall, "
-             f"{s['requests_per_hour']:.0f} requests/hour, {s['wall_tokens_per_s']:.1f} tokens/s overall")
+        info(f"{s['workers']} workers{restarts}")
     if summary is not None:
         summary.write_bytes(orjson.dumps({**s, "interrupted": interrupted}, option=orjson.OPT_INDENT_2))
 

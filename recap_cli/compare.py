@@ -8,11 +8,12 @@ paper: the mean over inputs of per-input throughput ratios, plus the ratio of to
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from .adapters import Adapter
-from .batch import answer_with_tokens
+from .batch import answer_all, answer_with_tokens
 from .drafters import METHODS
 from .records import Request
 from .session import GenerateSession, Session
@@ -45,6 +46,7 @@ class Measurement:
     emitted: int = 0  # tokens that came out of verification steps (each turn's first token is prefill's)
     draft_s: float = 0.0
     decode_s: float = 0.0
+    wall_s: float = 0.0  # its share of the wall time its method took over the dataset (batched: wall / inputs)
     match: bool | None = None  # tokens equal the baseline's
     error: str | None = None
 
@@ -88,9 +90,13 @@ def parse_budget(method: str, value: str) -> int | str:
     return int(value)
 
 
-def make_session(adapter: Adapter, spec: str) -> Session | GenerateSession:
+def make_session(adapter: Adapter, spec: str, batch: int = 1) -> Session | GenerateSession:
     name, knobs = parse_method(spec)
-    return GenerateSession(adapter, name) if name in HF_METHODS else Session(adapter, name, **knobs)
+    if name in HF_METHODS:
+        if batch > 1:
+            raise ValueError(f"{name} runs transformers' generate() one request at a time: compare it at --batch 1")
+        return GenerateSession(adapter, name)
+    return Session(adapter, name, batch=batch, **knobs)
 
 
 def group(requests: Iterable[Request]) -> dict[str, list[Request]]:
@@ -108,34 +114,60 @@ def run(sessions: dict, requests: list[Request], baseline: str, model: str, max_
     labels = list(sessions)
     if baseline not in sessions:
         raise ValueError(f"the baseline '{baseline}' must be among the methods")
-    for req in [r for r in requests if r.error is None][:warmup]:
-        for label in labels:
-            answer_with_tokens(sessions[label], req, model, max_new_tokens)
+    warm = [r for r in requests if r.error is None][:warmup]
+    for label in labels:  # through the path the timed runs take (a batched session measures its step costs here)
+        for _ in answer_all(sessions[label], warm, model, max_new_tokens):
+            pass
     rows: list[Measurement] = []
     for d, (dataset, reqs) in enumerate(group(requests).items()):
         if d == 0 or not keep_memory:  # the warm-up's memories go too: every dataset starts alike
             for s in sessions.values():
                 s.reset_memory()
+        if getattr(sessions[baseline], "batch", 1) > 1:
+            rows.extend(_run_batched(sessions, reqs, d, dataset, baseline, model, max_new_tokens, on_input))
+            continue
         for i, req in enumerate(reqs):
             order = labels[i % len(labels):] + labels[: i % len(labels)]
-            measured = {label: _measure(sessions[label], req, dataset, label, model, max_new_tokens)
-                        for label in order}
-            base_tokens = measured[baseline][1]
-            batch = []
-            for label in labels:
-                m, tokens = measured[label]
-                if m.error is None and measured[baseline][0].error is None:
-                    m.match = tokens == base_tokens
-                batch.append(m)
-            rows.extend(batch)
-            if on_input:
-                on_input(batch)
+            measured = {label: _measured(*answer_with_tokens(sessions[label], req, model, max_new_tokens), req,
+                                         dataset, label) for label in order}
+            rows.extend(_matched(measured, baseline, on_input))
     return rows
 
 
-def _measure(session, req: Request, dataset: str, label: str, model: str,
-             max_new_tokens: int) -> tuple[Measurement, list[list[int]]]:
-    record, tokens = answer_with_tokens(session, req, model, max_new_tokens)
+def _run_batched(sessions: dict, reqs: list[Request], d: int, dataset: str, baseline: str, model: str,
+                 max_new_tokens: int, on_input: Callable[[list[Measurement]], None] | None) -> list[Measurement]:
+    """Every method over the whole dataset with its requests in flight together (the method order rotates
+    from one dataset to the next); each input's wall share is its method's wall time over the inputs."""
+    labels = list(sessions)
+    results = {}
+    for label in labels[d % len(labels):] + labels[: d % len(labels)]:
+        t0 = time.perf_counter()
+        answered = list(answer_all(sessions[label], reqs, model, max_new_tokens))
+        share = (time.perf_counter() - t0) / len(reqs)
+        results[label] = [_measured(record, tokens, req, dataset, label, share)
+                          for (record, tokens), req in zip(answered, reqs)]
+    rows = []
+    for i in range(len(reqs)):
+        rows.extend(_matched({label: results[label][i] for label in labels}, baseline, on_input))
+    return rows
+
+
+def _matched(measured: dict[str, tuple[Measurement, list[list[int]]]], baseline: str,
+             on_input: Callable[[list[Measurement]], None] | None) -> list[Measurement]:
+    """One input's measurements, each checked against the baseline's tokens."""
+    base, base_tokens = measured[baseline]
+    batch = []
+    for m, tokens in measured.values():
+        if m.error is None and base.error is None:
+            m.match = tokens == base_tokens
+        batch.append(m)
+    if on_input:
+        on_input(batch)
+    return batch
+
+
+def _measured(record: dict, tokens: list[list[int]], req: Request, dataset: str, label: str,
+              wall_s: float | None = None) -> tuple[Measurement, list[list[int]]]:
     m = Measurement(id=str(req.id), dataset=dataset, method=label, error=record["error"])
     if m.error is None:
         m.new_tokens = record["new_tokens"]
@@ -145,6 +177,7 @@ def _measure(session, req: Request, dataset: str, label: str, model: str,
         m.emitted = record["new_tokens"] - record["turns"]
         m.draft_s = record["draft_ms"] / 1000
         m.decode_s = record["decode_ms"] / 1000
+    m.wall_s = m.seconds if wall_s is None else wall_s
     return m, tokens
 
 
@@ -178,10 +211,14 @@ def _stats(rows: list[Measurement], base: dict[str, Measurement]) -> dict:
     base_tokens, base_seconds = sum(base[r.id].new_tokens for r in ok), sum(base[r.id].seconds for r in ok)
     steps = sum(r.steps for r in ok)
     decode = sum(r.decode_s for r in ok)
+    wall, base_wall = sum(r.wall_s for r in ok), sum(base[r.id].wall_s for r in ok)
     return {
         "inputs": len(rows), "errors": sum(r.error is not None for r in rows),
         "mean_speedup": sum(speedups) / len(speedups) if speedups else math.nan,
         "total_speedup": (tokens / seconds) / (base_tokens / base_seconds) if seconds and base_seconds else math.nan,
+        # Throughput over wall time: with requests in flight together, what a batch gains (latencies overlap).
+        "wall_speedup": (tokens / wall) / (base_tokens / base_wall) if wall and base_wall else math.nan,
+        "wall_tokens_per_s": tokens / wall if wall else math.nan,
         "p10": quantile(speedups, 0.1), "p50": quantile(speedups, 0.5), "p90": quantile(speedups, 0.9),
         "tokens_per_s": tokens / seconds if seconds else math.nan,
         "mean_accepted": sum(r.emitted for r in ok) / steps if steps else None,

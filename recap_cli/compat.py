@@ -87,3 +87,87 @@ def hub_network_errors() -> tuple[type[BaseException], ...]:
         except (ImportError, AttributeError):
             pass
     return tuple(errors)
+
+
+# Batched rows (recap_cli/batched.py): one DynamicCache whose batch dimension holds the requests in flight, each
+# row left-aligned (its committed tokens at columns 0..length-1, nothing it may see beyond). Only the per-layer
+# ``keys``/``values`` tensors are touched, so any 5.x DynamicCache works.
+
+def _layers(cache):
+    return [layer for layer in cache.layers if getattr(layer, "is_initialized", True) and layer.keys is not None]
+
+
+def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
+    extra = width - t.shape[2]
+    return t if extra <= 0 else torch.nn.functional.pad(t, (0, 0, 0, extra))
+
+
+def append_rows(cache, rows) -> None:
+    """Add the rows of cache ``rows`` after those of ``cache``; the narrower is padded with zeros (columns
+    their masks hide)."""
+    for big, small in zip(_layers(cache), _layers(rows)):
+        width = max(big.keys.shape[2], small.keys.shape[2])
+        big.keys = torch.cat([_pad_to(big.keys, width), _pad_to(small.keys, width)])
+        big.values = torch.cat([_pad_to(big.values, width), _pad_to(small.values, width)])
+
+
+def select_rows(cache, keep: list[int], width: int) -> None:
+    """Keep only the rows ``keep`` (in that order), cut to ``width`` columns."""
+    index = torch.tensor(keep, device=_layers(cache)[0].keys.device)
+    for layer in _layers(cache):
+        layer.keys = layer.keys[index, :, :width]
+        layer.values = layer.values[index, :, :width]
+
+
+def move_paths(cache, rows: torch.Tensor | None, src: torch.Tensor | None, dst: torch.Tensor | None,
+               width: int) -> None:
+    """Copy column ``src[i]`` of row ``rows[i]`` to column ``dst[i]`` (each row's accepted path to the end of its
+    committed tokens), then cut every row to ``width`` columns. The right-hand side is gathered before the
+    write, so overlapping moves are safe."""
+    for layer in _layers(cache):
+        if rows is not None:
+            layer.keys[rows, :, dst] = layer.keys[rows, :, src]
+            layer.values[rows, :, dst] = layer.values[rows, :, src]
+        layer.keys = layer.keys[:, :, :width]
+        layer.values = layer.values[:, :, :width]
+
+
+# Grouped-query attention for tree steps. transformers' sdpa path copies every cached key and value once per query
+# head of its group (``repeat_kv``) whenever a step has a mask and more than one query token, i.e. every tree
+# step; for one query token it folds the group's heads into the query instead (``pack_gqa``). Folding works for T
+# tokens too: the group's n heads become n * T query rows against the group's one key/value head, each row
+# under its token's mask row. Same dot products, no cache copies (2 CPU cores, demo model, 16 rows of 4 nodes:
+# 14.4 -> 10.7 ms a step). Registered as an attention implementation, the public way to plug one in.
+TREE_SDPA = "recap_sdpa"
+
+
+def attention_name(attn: str) -> str:
+    """The implementation to load a model with: recap's grouped-query sdpa for ``sdpa``, else ``attn``."""
+    if attn != "sdpa":
+        return attn
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(TREE_SDPA, _grouped_sdpa)
+    AttentionMaskInterface.register(TREE_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return TREE_SDPA
+
+
+def _grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, dropout=0.0,
+                  scaling=None, is_causal=None, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups, t = getattr(module, "num_key_value_groups", 1), query.shape[2]
+    plain = (groups == 1 or t == 1 or dropout or kwargs.get("position_bias") is not None
+             or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4
+             or attention_mask.shape[1] != 1 or key.shape[1] * groups != query.shape[1])
+    if plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    b, heads, _, dim = query.shape
+    # Head g * n + r of query -> row r * T + t of group g; the mask's T rows repeat once per head of the group.
+    folded = query.reshape(b, key.shape[1], groups * t, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value,
+                                                           attn_mask=attention_mask.repeat(1, 1, groups, 1),
+                                                           scale=scaling)
+    return out.reshape(b, heads, t, dim).transpose(1, 2).contiguous(), None

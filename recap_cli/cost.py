@@ -33,7 +33,8 @@ class StepCost:
         self.alpha = alpha
         self.seconds: list[float] | None = None  # per grid size, None until measured
         self.host_per_node = 0.0  # drafting work (propose + observe) per tree node, seconds
-        self._table: list[float] | None = None  # step(n) for n = 0..max, rebuilt lazily after updates
+        self._table: list[float] | None = None  # forward(n) for n = 0..max, rebuilt lazily after updates
+        self._with_host: tuple | None = None  # (the forward table it was built from, T(n))
         self._stale = 0  # observations since the table was built: estimates move slowly, so it is rebuilt
         # every REFRESH observations, not every step (a rebuild is 64 interpolations: more than a step's drafting)
 
@@ -45,24 +46,32 @@ class StepCost:
     def max_tokens(self) -> int:
         return self.sizes[-1]
 
+    def chooser(self) -> "SizeChooser":
+        """A fresh stop rule for one tree's best-first growth (one request per step: batch 1)."""
+        return SizeChooser(self.table(), self.max_tokens)
+
+    def best_size(self, chances: Sequence[float]) -> int:
+        return best_size(chances, self.chooser())
+
     def set(self, seconds: Sequence[float]) -> None:
         """The warm-up timing, one figure per grid size."""
         if len(seconds) != len(self.sizes):
             raise ValueError("one timing per grid size")
         self.seconds = list(seconds)
-        self._table = None
+        self._table = self._with_host = None
         self._stale = 0
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """A verification step of ``tokens`` took ``seconds``. One slow outlier (another process, a page fault)
-        counts at most three times the current estimate, so it cannot make a size look unaffordable for good."""
+    def observe(self, tokens: int, seconds: float, weight: float = 1.0) -> None:
+        """A verification step of ``tokens`` took ``seconds`` (``weight``: how much this curve owns the step,
+        when a batched step falls between two curves). One slow outlier (another process, a page fault) counts
+        at most three times the current estimate, so it cannot make a size look unaffordable for good."""
         if self.seconds is None:
             return
         lo, hi, w = self._bracket(tokens)
-        for j, weight in ((lo, 1.0 - w), (hi, w)):
-            if weight > 0:
+        for j, share in ((lo, 1.0 - w), (hi, w)):
+            if share > 0:
                 s = min(seconds, 3 * self.seconds[j])
-                self.seconds[j] += self.alpha * weight * (s - self.seconds[j])
+                self.seconds[j] += self.alpha * weight * share * (s - self.seconds[j])
         self._stale += 1
 
     def observe_host(self, nodes: int, seconds: float) -> None:
@@ -81,11 +90,22 @@ class StepCost:
     def table(self) -> list[float]:
         """T(n) for n = 0..max_tokens: forward pass + drafting, made non-decreasing (a measured dip at some
         size is noise; a bigger tree is never cheaper), so that bounds on future rates hold."""
+        forward = self.forward_table()
+        if self._with_host is None or self._with_host[0] is not forward:  # drafting time as of this rebuild
+            t = [0.0]
+            for n in range(1, self.max_tokens + 1):
+                t.append(max(t[-1], forward[n] + self.host_per_node * n))
+            self._with_host = (forward, t)
+        return self._with_host[1]
+
+    def forward_table(self) -> list[float]:
+        """The forward pass alone for n = 0..max_tokens tokens, non-decreasing, rebuilt every REFRESH
+        observations."""
         if self._table is None or self._stale >= REFRESH:
             self._stale = 0
             t = [0.0]
             for n in range(1, self.max_tokens + 1):
-                t.append(max(t[-1], self(n) + self.host_per_node * n))
+                t.append(max(t[-1], self(n)))
             self._table = t
         return self._table
 
@@ -103,6 +123,112 @@ class StepCost:
         return lo, hi, (tokens - sizes[lo]) / (sizes[hi] - sizes[lo])
 
 
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class BatchCost:
+    """Seconds per batched step as a function of its rows B and width T (every row's tree padded to T nodes):
+    one ``StepCost`` over widths per row count of a grid, linear in between.
+
+    Not a function of B * T alone: each row attends over its own cache, and the cache and its per-head copies
+    grow with B (2 CPU cores, demo model, 300 cached positions: B=16, T=2 costs 11.9 ms, one row of 32 tokens
+    about 6.5 ms).
+    """
+
+    def __init__(self, max_batch: int, per_row: int):
+        self.rows = tuple(sorted({r for r in ROWS if r < max_batch} | {max_batch}))
+        widths = tuple(sorted({w for w in WIDTHS if w < per_row} | {per_row}))
+        self.by_rows = {r: StepCost(widths) for r in self.rows}
+        self.max_width = per_row
+        self.host_per_node = 0.0
+        self._tables: dict[int, tuple[list[float], list[float], list[float]]] = {}
+
+    @property
+    def measured(self) -> bool:
+        return all(c.measured for c in self.by_rows.values())
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        lo, hi, w = self._bracket(rows)
+        self.by_rows[lo].observe(width, seconds, 1.0 - w)
+        if hi != lo:
+            self.by_rows[hi].observe(width, seconds, w)
+
+    def observe_host(self, nodes: int, seconds: float) -> None:
+        """Drafting time of one row's step (propose + observe) for a tree of ``nodes`` nodes."""
+        if nodes > 0:
+            self.host_per_node += 0.1 * (seconds / nodes - self.host_per_node)
+
+    def forward_table(self, rows: int) -> list[float]:
+        """Forward seconds of a step of ``rows`` rows at width n, for n = 0..max_width (non-decreasing)."""
+        lo, hi, w = self._bracket(rows)
+        low, high = self.by_rows[lo].forward_table(), self.by_rows[hi].forward_table()
+        cached = self._tables.get(rows)
+        if cached is None or cached[0] is not low or cached[1] is not high:
+            cached = (low, high, [a + w * (b - a) for a, b in zip(low, high)])
+            self._tables[rows] = cached
+        return cached[2]
+
+    def _bracket(self, rows: int) -> tuple[int, int, float]:
+        grid = self.rows
+        hi = bisect.bisect_left(grid, rows)
+        if hi >= len(grid):
+            return grid[-1], grid[-1], 0.0
+        if grid[hi] == rows or hi == 0:
+            return grid[hi], grid[hi], 0.0
+        lo = hi - 1
+        return grid[lo], grid[hi], (rows - grid[lo]) / (grid[hi] - grid[lo])
+
+
+class RowShare:
+    """A step's cost as one row of a batch sees it, for sizing that row's tree (recap_cli/batched.py).
+
+    Every row's tree is padded to the widest, so a step of B rows at width w costs forward(B, w) plus the
+    host's drafting of all rows. Rows draft one after another: the row drafting now sees the width ``width``
+    that the rows before it set (nodes up to it cost only drafting) and the tokens the other rows are expected
+    to emit (``base``), and keeps the size that maximises the whole step's expected tokens per second. So a
+    tree widens the batch only while its extra nodes pay for a wider forward pass of every row.
+    """
+
+    def __init__(self, cost: BatchCost, rows: int, width: int, base: float, other_nodes: int):
+        self.cost, self.rows, self.width = cost, rows, width
+        self.base, self.other_nodes = base, other_nodes
+        self.max_tokens = cost.max_width
+        self._chooser: SizeChooser | None = None
+
+    def table(self) -> "ShareTable":
+        forward = self.cost.forward_table(self.rows)
+        return ShareTable(forward, forward[min(self.width, self.max_tokens)], self.cost.host_per_node,
+                          self.other_nodes)
+
+    def chooser(self) -> SizeChooser:
+        self._chooser = SizeChooser(self.table(), self.max_tokens, base=self.base)
+        return self._chooser
+
+    def best_size(self, chances: Sequence[float]) -> int:
+        return best_size(chances, self.chooser())
+
+    def chosen_expected(self) -> float:
+        """Tokens the sized tree is expected to emit (1, its bonus token, when nothing sized it)."""
+        return self._chooser.best_expected - self.base if self._chooser is not None else 1.0
+
+
+class ShareTable:
+    """T(n) of a row's share, n = 0..max_width, read lazily: growth stops after a few sizes, and building the
+    whole table for every row of every step would cost more host time than the reads."""
+
+    def __init__(self, forward: list[float], floor: float, host_per_node: float, other_nodes: int):
+        self.forward, self.floor, self.h, self.others = forward, floor, host_per_node, other_nodes
+
+    def __len__(self) -> int:
+        return len(self.forward)
+
+    def __getitem__(self, n: int) -> float:
+        if n == 0:
+            return 0.0
+        return max(self.floor, self.forward[n]) + self.h * (self.others + n)
+
+
 class SizeChooser:
     """Best-first growth with a stop: feed the path chance of each node as it is placed (non-increasing, as
     best-first growth on chances <= 1 places them); ``size`` is the tree size (root included) with the best
@@ -117,11 +243,12 @@ class SizeChooser:
     is still searched one bucket beyond the best.
     """
 
-    def __init__(self, table: list[float], limit: int, grid: Sequence[int] = SIZES):
+    def __init__(self, table: Sequence[float], limit: int, grid: Sequence[int] = SIZES, base: float = 0.0):
         self.t = table
         self.limit = min(limit, len(table) - 1)
-        self.n, self.expected = 1, 1.0
-        self.size, self.best = 1, 1.0 / table[1]
+        self.n, self.expected = 1, 1.0 + base  # ``base``: tokens the step's other rows are expected to emit
+        self.size, self.best = 1, self.expected / table[1]
+        self.best_expected = self.expected
         self.grid = _checkpoints(self.limit, tuple(grid))
 
     def place(self, chance: float) -> None:
@@ -129,7 +256,7 @@ class SizeChooser:
         self.expected += chance
         rate = self.expected / self.t[self.n]
         if rate > self.best:
-            self.size, self.best = self.n, rate
+            self.size, self.best, self.best_expected = self.n, rate, self.expected
 
     def worth_growing(self, next_chance: float) -> bool:
         n, t, e = self.n, self.t, self.expected
@@ -149,10 +276,9 @@ def _checkpoints(limit: int, grid: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sorted({g for g in grid if g < limit} | {limit}))
 
 
-def best_size(chances: Sequence[float], table: list[float], limit: int) -> int:
+def best_size(chances: Sequence[float], chooser: SizeChooser) -> int:
     """The tree size (root included) maximising expected tokens per second, for nodes whose path chances come
     in placement order (a chain, or a template in order of decreasing chance)."""
-    chooser = SizeChooser(table, limit)
     for c in chances[: chooser.limit - 1]:
         chooser.place(c)
     return chooser.size

@@ -66,7 +66,7 @@ class Engine:
         self.rope_delta = prompt.rope_delta
         keep: int | torch.Tensor = 1
         if want_rows:  # rows at image placeholders are never keys a drafter could meet again
-            keep = _text_positions(prompt.input_ids[0], self.adapter.image_token_id)
+            keep = text_positions(prompt.input_ids[0], self.adapter.image_token_id)
         mask = self.adapter.prefill_mask(self._causal_mask(prompt.length), prompt) if self.static else None
         out = self.model(input_ids=prompt.input_ids, position_ids=prompt.position_ids, attention_mask=mask,
                          use_cache=True, logits_to_keep=keep, **{self._cache_kw: self.cache}, **prompt.model_inputs)
@@ -75,7 +75,7 @@ class Engine:
         first = int(logits[-1].argmax())
         if not want_rows:
             return first, None
-        rows = self._greedy_and_rows(logits)[1]
+        rows = greedy_and_rows(logits, self.top_k)[1]
         rows.positions = keep.tolist()
         return first, rows
 
@@ -87,7 +87,7 @@ class Engine:
         ids, pos, mask = self.step_inputs(tree)
         out = self._step(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
                          **{self._cache_kw: self.cache})
-        argmax, rows = self._greedy_and_rows(out.logits[0, :n])
+        argmax, rows = greedy_and_rows(out.logits[0, :n], self.top_k)
         path = accept(tree, argmax)
         self._keep(path)
         self.cost.observe(ids.shape[1], time.perf_counter() - t0)  # the host copy above waited for the device
@@ -106,17 +106,6 @@ class Engine:
         mask = self._tree_mask(tree.parents + [-1] * pad) if size > 1 or self.static else None
         mask = self.adapter.layer_masks(mask, pos, self.length) if mask is not None else None
         return ids, pos, mask
-
-    def _greedy_and_rows(self, logits: torch.Tensor) -> tuple[list[int], Rows]:
-        """Each node's argmax and top-k rows, brought to the host in one copy (the step's only sync).
-
-        Softmax over the top-k logits is p_i / sum_k p_j: the full softmax renormalised over its top k. Token ids
-        travel as float32, exact below 2**24 (vocabularies are ~1.5e5)."""
-        top = logits.topk(self.top_k, dim=-1)
-        packed = torch.cat([logits.argmax(-1, keepdim=True).float(), top.indices.float(),
-                            torch.softmax(top.values.float(), -1)], dim=1).cpu()
-        k = self.top_k
-        return packed[:, 0].long().tolist(), Rows(ids=packed[:, 1:k + 1].long(), probs=packed[:, k + 1:])
 
     def warm_up(self, prompt: Prompt) -> float:
         """Run one step of every bucket once, so compilation / graph capture happens before timed work."""
@@ -182,6 +171,17 @@ class Engine:
         self.length += len(path)
 
 
+def greedy_and_rows(logits: torch.Tensor, k: int) -> tuple[list[int], Rows]:
+    """Each position's argmax and top-k rows, brought to the host in one copy (the step's only sync).
+
+    Softmax over the top-k logits is p_i / sum_k p_j: the full softmax renormalised over its top k. Token ids
+    travel as float32, exact below 2**24 (vocabularies are ~1.5e5)."""
+    top = logits.topk(k, dim=-1)
+    packed = torch.cat([logits.argmax(-1, keepdim=True).float(), top.indices.float(),
+                        torch.softmax(top.values.float(), -1)], dim=1).cpu()
+    return packed[:, 0].long().tolist(), Rows(ids=packed[:, 1:k + 1].long(), probs=packed[:, k + 1:])
+
+
 def accept(tree: Tree, argmax: list[int]) -> list[int]:
     """Longest root-to-node path on which every node's token is the model's argmax at its parent."""
     child = {}
@@ -193,7 +193,7 @@ def accept(tree: Tree, argmax: list[int]) -> list[int]:
     return path
 
 
-def _text_positions(ids: torch.Tensor, image_token: int | None) -> torch.Tensor:
+def text_positions(ids: torch.Tensor, image_token: int | None) -> torch.Tensor:
     if image_token is None:
         return torch.arange(ids.numel(), device=ids.device)
     return (ids != image_token).nonzero().flatten()
@@ -252,14 +252,14 @@ def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int) -> Ge
         engine.cost.observe_host(max(len(tree), drafter.grown), draft_s)
         gen.draft_s += draft_s
         gen.verify_s += t3 - t2
-        added, done = _commit(gen, tree, verified, eos, max_new_tokens)
+        added, done = commit(gen, tree, verified, eos, max_new_tokens)
         context.extend(added)
         if done:
             break
     return gen
 
 
-def _commit(gen: Generation, tree: Tree, verified: Verified, eos: set[int],
+def commit(gen: Generation, tree: Tree, verified: Verified, eos: set[int],
             max_new_tokens: int) -> tuple[list[int], bool]:
     """Append the accepted tokens and the bonus, cut at EOS or the token budget; say if the request ended."""
     new = [(tree.tokens[i], Source(tree.sources[i]).name) for i in verified.path[1:]]

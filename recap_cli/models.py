@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 import torch
 
 from .adapters import Adapter, Gemma3Adapter, LlavaNextAdapter, QwenVLAdapter, VisionAdapter
+from . import compat
 from .compat import hub_network_errors
 from .records import first_line
 
@@ -283,7 +284,7 @@ def _load(source: str, device: torch.device, dtype: torch.dtype, attn: str) -> A
     except OSError as exc:
         raise ModelError(f"{source} holds no model (no readable config.json): pass a model directory, a hub repo id "
                          "or a short name from `recap models`") from exc
-    load_kw = dict(dtype=dtype, attn_implementation=attn, **kw)
+    load_kw = dict(dtype=dtype, attn_implementation=compat.attention_name(attn), **kw)
     if config.model_type in ADAPTERS:
         model = AutoModelForImageTextToText.from_pretrained(source, **load_kw).to(device).eval()
         processor = AutoProcessor.from_pretrained(source, **kw)

@@ -10,7 +10,7 @@ from PIL import Image, ImageDraw
 from rich.console import Console
 from rich.table import Table
 
-COLUMNS = [("mean×", "mean_speedup"), ("total×", "total_speedup"), ("p10", "p10"), ("p50", "p50"),
+COLUMNS = [("mean×", "mean_speedup"), ("total×", "total_speedup"), ("wall×", "wall_speedup"), ("p10", "p10"), ("p50", "p50"),
            ("p90", "p90"), ("tok/s", "tokens_per_s"), ("acc/step", "mean_accepted"), ("nodes", "nodes_per_step"),
            ("draft%", "draft_share"), ("match", "match_rate")]
 

@@ -29,7 +29,8 @@ from ray.data import DataContext
 from ray.exceptions import RayError
 
 from . import records
-from .batch import Totals, answer, error_record
+from .batch import Totals, answer, answer_all, error_record
+from .batched import DEFAULT_BATCH, default_batch
 
 FAULT_ENV = "RECAP_FAULT_KILL_AFTER"  # test knob: one worker exits hard once after this many records
 PUSH_EVERY_S = 60.0  # how often a worker copies its memory to the driver's collector mid-run
@@ -53,6 +54,7 @@ class Job:
     attn: str
     max_new_tokens: int
     base: Path  # relative image paths resolve here: the same path on every node (a shared file system)
+    batch: int | None = None  # requests in flight per worker; None: by the worker's device
     fault_after: int = 0
 
 
@@ -164,7 +166,9 @@ def _answer_all(lines, job: Job, cluster: Cluster, collector, sink: IO[bytes], p
     t0 = time.perf_counter()
     if lines:
         # Small blocks spread the requests over the workers and let records stream out as they are done.
-        rows_per_block = max(1, min(8, len(lines) // (4 * cluster.workers)))
+        # A block is what one worker decodes together: room for two batches keeps its rows full.
+        per_block = max(8, 2 * (job.batch or max(DEFAULT_BATCH.values())))
+        rows_per_block = max(1, min(per_block, len(lines) // (4 * cluster.workers)))
         ds = ray.data.from_items([{"line": n, "raw": raw} for n, raw in lines],
                                  override_num_blocks=math.ceil(len(lines) / rows_per_block))
         ds = ds.map_batches(Worker, fn_constructor_kwargs={"job": job, "collector": collector},
@@ -225,8 +229,9 @@ class Worker:
         self.done = 0
         try:
             adapter = load(job.model, device=job.device, dtype=job.dtype, attn=job.attn)
-            compiled = job.compile == "on" or (job.compile == "auto" and adapter.device.type == "cuda")
-            self.session = _session(adapter, job.method, job.knobs, compiled)
+            batch = job.batch or default_batch(adapter.device.type)
+            compiled = job.compile == "on" or (job.compile == "auto" and batch == 1 and adapter.device.type == "cuda")
+            self.session = _session(adapter, job.method, job.knobs, compiled, batch)
         except (ModelError, ValueError) as exc:
             raise WorkerSetupError(str(exc)) from None
         # A restarted worker picks up the memory its last life sent; a new one starts from --memory's.
@@ -241,7 +246,8 @@ class Worker:
         self.pushed = time.monotonic()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = [self._answer(int(line), bytes(raw)) for line, raw in zip(batch["line"], batch["raw"])]
+        lines = [(int(line), bytes(raw)) for line, raw in zip(batch["line"], batch["raw"])]
+        out = self._answer_batched(lines) if self.session.batch > 1 else [self._answer(*lr) for lr in lines]
         if time.monotonic() - self.pushed > PUSH_EVERY_S:
             self._push(final=False)
         return {"line": batch["line"], "record": np.array(out, dtype=object),
@@ -259,6 +265,21 @@ class Worker:
         self.done += 1
         self._maybe_fault()
         return records.dumps(record)
+
+    def _answer_batched(self, lines: list[tuple[int, bytes]]) -> list[bytes]:
+        """The block's requests in flight together (continuous batching), records in line order."""
+        reqs = []
+        for line, raw in lines:
+            try:
+                reqs.append(records.parse_line(raw, line, self.job.base))
+            except Exception as exc:  # noqa: BLE001 - see _answer
+                reqs.append(records.Request(line, line, error=f"{type(exc).__name__}: {records.first_line(exc)}"))
+        out = []
+        for record, _ in answer_all(self.session, reqs, self.job.model, self.job.max_new_tokens):
+            out.append(records.dumps(record))
+            self.done += 1
+            self._maybe_fault()
+        return out
 
     def _maybe_fault(self) -> None:
         if self.job.fault_after and self.done >= self.job.fault_after and \

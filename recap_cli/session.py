@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from .adapters import Adapter, Message, Prompt
+from .batched import Batch, BatchEngine
 from .drafters import Drafter, make_drafter
 from .engine import Engine, Generation, generate
 from .records import first_line
@@ -27,21 +28,49 @@ class Session:
     """Loaded once per ``recap run``; per-request memories reset inside the drafter, order 1 carries over."""
 
     def __init__(self, adapter: Adapter, method: str = "recap", static: bool = False, compile: bool = False,
-                 **knobs):
+                 batch: int = 1, **knobs):
+        if batch < 1:
+            raise ValueError("batch is at least 1")
+        if batch > 1 and (static or compile):
+            raise ValueError("batched decoding runs eagerly: a static, compiled cache serves batch 1 only")
         self.adapter = adapter
         self.method = method
+        self.batch = batch
         banned = [adapter.image_token_id] if adapter.image_token_id is not None else []
         self.drafter = make_drafter(method, adapter.vocab_size, banned=banned, **knobs)
-        self.engine = Engine(adapter, top_k=getattr(self.drafter, "top_k", 8), static=static, compile=compile,
+        top_k = getattr(self.drafter, "top_k", 8)
+        self.engine = Engine(adapter, top_k=top_k, static=static, compile=compile,
                              min_capacity=4096 if compile else 0)
+        self.batch_engine = BatchEngine(adapter, top_k=top_k, max_batch=batch) if batch > 1 else None
+        self.steps = self.rows_stepped = 0  # batched steps and the rows they verified (occupancy)
 
     def warm_up(self, messages: list[Message], images: list[Image.Image]) -> float:
         """Compile / capture every step shape before timed work; seconds spent."""
         return self.engine.warm_up(self.adapter.build(messages, images))
 
     def answer(self, messages: list[Message], images: list[Image.Image], max_new_tokens: int) -> Generation:
+        prompt, limit = self.prepare(messages, images, max_new_tokens)
+        return generate(self.engine, prompt, self.drafter, limit)
+
+    def prepare(self, messages: list[Message], images: list[Image.Image], max_new_tokens: int) -> tuple[Prompt, int]:
+        """The prompt of one turn and the new tokens it may have."""
         prompt = self.adapter.build(messages, images)
-        return generate(self.engine, prompt, self.drafter, fit_context(self.adapter, prompt, max_new_tokens))
+        return prompt, fit_context(self.adapter, prompt, max_new_tokens)
+
+    def new_batch(self) -> Batch:
+        """Rows for ``batch`` turns in flight, drafting from this session's drafter (its persistent memory)."""
+        if self.batch_engine is None:
+            raise ValueError("this session decodes one request at a time (batch=1)")
+        return Batch(self.batch_engine, self.drafter, self.batch, on_step=self._count)
+
+    def _count(self, rows: int) -> None:
+        self.steps += 1
+        self.rows_stepped += rows
+
+    @property
+    def occupancy(self) -> float | None:
+        """Mean rows per batched step (None before any)."""
+        return self.rows_stepped / self.steps if self.steps else None
 
     def reset_memory(self) -> None:
         self.drafter.reset()

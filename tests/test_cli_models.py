@@ -88,7 +88,7 @@ def test_stderr_not_a_terminal_gets_no_bars_and_quiet_gets_nothing(model_dirs, t
     loud = invoke(["run", tmp_path / "r.jsonl", "--model", model_dirs["text"], "--max-new-tokens", 4])
     assert loud.exit_code == 0
     assert "Loading weights" not in loud.stderr and "\r" not in loud.stderr  # transformers' bar follows recap's
-    assert len(loud.stderr.splitlines()) == 1 and loud.stderr.startswith("1 items, 0 errors, 4 tokens, ")
+    assert len(loud.stderr.splitlines()) == 1 and loud.stderr.startswith("1 items, 0 errors, 4 tokens in ")
     quiet = invoke(["run", tmp_path / "r.jsonl", "--model", model_dirs["text"], "--max-new-tokens", 4, "-q",
                     "--summary", tmp_path / "s.json"])
     assert quiet.exit_code == 0 and quiet.stderr == ""

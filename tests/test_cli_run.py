@@ -8,6 +8,8 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from recap_cli import cli
+from recap_cli.batched import Batch
+from recap_cli.session import Session
 
 from .conftest import make_image
 
@@ -124,10 +126,15 @@ def test_resume_skips_answered_ids_and_repairs_a_torn_line(model_dirs, workdir):
     assert ids == ["r0", "r1", "r2", "r3"]
 
 
-def test_ctrl_c_keeps_the_output_valid(model_dirs, workdir, monkeypatch):
+@pytest.mark.parametrize("batch", [1, 3])
+def test_ctrl_c_keeps_the_output_valid(model_dirs, workdir, monkeypatch, batch):
+    """Interrupted while the second request decodes: the first (done at its first token in a batch) is out,
+    whole; nothing after it."""
     path, out = workdir / "intr.jsonl", workdir / "intr.out.jsonl"
-    path.write_bytes(jsonl(*[{"id": i, "prompt": "Tell me more."} for i in range(3)]))
-    real = cli.answer
+    path.write_bytes(jsonl(*[{"id": i, "prompt": "Tell me more.", "max_new_tokens": 1 if i == 0 else 8}
+                             for i in range(3)]))
+    target = (Session, "prepare") if batch == 1 else (Batch, "step")
+    real = getattr(*target)
     calls = []
 
     def interrupt_second(*args, **kw):
@@ -136,8 +143,8 @@ def test_ctrl_c_keeps_the_output_valid(model_dirs, workdir, monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kw)
 
-    monkeypatch.setattr(cli, "answer", interrupt_second)
-    r = invoke(["run", path, "--model", model_dirs["text"], "-o", out, "--max-new-tokens", 4])
+    monkeypatch.setattr(*target, interrupt_second)
+    r = invoke(["run", path, "--model", model_dirs["text"], "-o", out, "--max-new-tokens", 8, "--batch", batch])
     assert r.exit_code == 130 and "interrupted" in r.stderr
     assert [x["id"] for x in lines(out.read_text())] == [0]
 

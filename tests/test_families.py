@@ -110,5 +110,5 @@ def test_gemma3_static_prefill_sees_image_blocks_whole(get_adapter, monkeypatch)
     (first, want), (first_static, got) = rows(False), rows(True)
     assert first == first_static and torch.allclose(got, want, atol=1e-9)
     monkeypatch.setattr(Gemma3Adapter, "prefill_mask", lambda self, mask, prompt: self._by_layer(
-        mask, torch.arange(prompt.length), torch.arange(mask.shape[-1])))
+        mask, torch.arange(prompt.length)[None], torch.arange(mask.shape[-1])[None]))
     assert (rows(True)[1] - want).abs().max() > 1e-4

@@ -310,7 +310,7 @@ def test_a_memory_run_continues_exactly_where_the_last_one_stopped(tmp_path):
     b.write_bytes(jsonl(*reqs[3:]))
     both.write_bytes(jsonl(*reqs))
     mem = tmp_path / "mem.pt"
-    args = ["--max-new-tokens", 32, "--budget", 16]
+    args = ["--max-new-tokens", 32, "--budget", 16, "--batch", 1]  # one at a time: the same order of memory writes
     keys = ("id", "answer", "answers", "new_tokens", "steps", "accepted_hist", "tokens_by_source", "error")
     one = lines(invoke(["run", both, *args]).stdout)[3:]
     assert invoke(["run", a, *args, "--memory", mem]).exit_code == 0

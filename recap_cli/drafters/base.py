@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from ..cost import StepCost
 from ..tree import Rows, Tree, Verified
 
@@ -27,8 +29,24 @@ class Drafter:
         """A tree whose root is ``context[-1]``; ``room`` bounds useful depth (tokens left after the bonus)."""
         return Tree.root(context[-1])
 
+    def rest(self, context: list[int]) -> Tree:
+        """A step without drafting (the root alone), when drafting is not expected to pay for its own host
+        time; ``observe`` follows as after ``propose``."""
+        return Tree.root(context[-1])
+
     def observe(self, tree: Tree, verified: Verified) -> None:
         """The verifier's rows for every node of ``tree`` (accepted or not)."""
+
+    def fork(self) -> "Drafter":
+        """A drafter for one more request in flight (batched decoding): it shares everything that persists
+        across requests with this one (tables, learned chances: what every row reads and writes) and owns what
+        a request resets."""
+        row = copy.copy(self)
+        row.own_request_state()
+        return row
+
+    def own_request_state(self) -> None:
+        """Give this drafter fresh per-request memories of its own (none in the base class)."""
 
     def reset(self) -> None:
         """Forget everything, including what persists across requests (between datasets in a comparison)."""

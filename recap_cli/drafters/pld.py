@@ -8,7 +8,6 @@ is learned from the verifier's verdicts per (match length, step along the chain)
 
 from __future__ import annotations
 
-from ..cost import best_size
 from ..tree import Rows, Source, Tree, Verified
 from .base import Drafter
 from .calibration import ChainCalibration
@@ -23,8 +22,12 @@ class PromptLookupDrafter(Drafter):
             raise ValueError("pld's budget is 'auto' or a chain length >= 0")
         self.num_tokens = num_tokens if budget == "auto" else budget
         self.budget = budget
-        self.index = NgramIndex(max_ngram, keep="earliest", skip=banned)
+        self.max_ngram, self.banned = max_ngram, banned
         self.calibration = ChainCalibration()
+        self.own_request_state()
+
+    def own_request_state(self) -> None:
+        self.index = NgramIndex(self.max_ngram, keep="earliest", skip=self.banned)
         self._follow: tuple[int, list[int]] = (0, [])
 
     @property
@@ -40,13 +43,17 @@ class PromptLookupDrafter(Drafter):
         self._follow = (n, follow)
         self.grown = len(follow)
         if self.wants_costs and follow:
-            keep = best_size(self.calibration.path_chances(n, len(follow)), self.cost.table(), self.cost.max_tokens)
+            keep = self.cost.best_size(self.calibration.path_chances(n, len(follow)))
             follow = follow[: keep - 1]
         for i, token in enumerate(follow):
             tree.tokens.append(token)
             tree.parents.append(i)
             tree.sources.append(Source.LOOKUP)
         return tree
+
+    def rest(self, context: list[int]) -> Tree:
+        self._follow = (0, [])
+        return Tree.root(context[-1])
 
     def observe(self, tree: Tree, verified: Verified) -> None:
         """Chain token j was tested iff node j (its parent) was accepted; the first token past a cut is tested

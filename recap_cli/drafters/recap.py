@@ -27,7 +27,6 @@ import heapq
 from collections.abc import Iterable, Sequence
 from operator import itemgetter
 
-from ..cost import SizeChooser
 from ..tree import Rows, Source, Tree, Verified
 from .base import Drafter
 from .calibration import Calibration, ChainCalibration
@@ -68,12 +67,17 @@ class RecapDrafter(Drafter):
         self.weights = FIXED_WEIGHTS if mixing == "fixed" else tuple(weights)
         self.budget, self.depth, self.width, self.top_k = budget, depth, min(width, top_k), top_k
         self.banned = frozenset(banned)
+        self.cap, self.suffix_max_n = cap, suffix_max_n
         self.order1 = TokenTable(vocab_size)
-        self.keyed = {2: KeyedMemory(cap), 3: KeyedMemory(cap)}
-        self.index = NgramIndex(suffix_max_n, keep="latest", skip=self.banned)
-        self._tail: tuple[int, ...] = ()
         self.calibration = Calibration(self.width, depths=depths) if calibrate else None
         self.continuation = ChainCalibration()  # the suffix lane's chances, learned with or without calibrate
+        self.own_request_state()
+
+    def own_request_state(self) -> None:
+        """Orders 2 and 3 and the suffix index: this request's context, never shared between rows."""
+        self.keyed = {2: KeyedMemory(self.cap), 3: KeyedMemory(self.cap)}
+        self.index = NgramIndex(self.suffix_max_n, keep="latest", skip=self.banned)
+        self._tail: tuple[int, ...] = ()
         # Nodes whose candidates the last tree drafted from: (tree index, mixed candidates, continuation token
         # or None, its step along the continuation, the candidates' depth); observe() grades them where the node
         # was accepted.
@@ -205,6 +209,10 @@ class RecapDrafter(Drafter):
 
     # --- the tree -------------------------------------------------------------------------------------------
 
+    def rest(self, context: list[int]) -> Tree:
+        self._tail, self._tested = tuple(context[-3:]), []  # observe() keys the root's row by the tail
+        return Tree.root(context[-1])
+
     def propose(self, context: list[int], room: int) -> Tree:
         """Best-first growth over two lanes of candidates per node: its mixed recycled rows (in rank order;
         only a node's best unplaced one waits in the heap, its next sibling takes its place when it is placed)
@@ -232,7 +240,7 @@ class RecapDrafter(Drafter):
         frontier: list[tuple[float, int, int]] = [(-chance(0, cands[0][1][0], 1), 0, 0)] if cands[0][0] else []
         if follow:
             heapq.heappush(frontier, (-follow_chance(n_match, 0), 0, FOLLOW))
-        sizer = SizeChooser(self.cost.table(), self.cost.max_tokens) if self.wants_costs else None
+        sizer = self.cost.chooser() if self.wants_costs else None
         while frontier:
             if sizer is not None and not sizer.worth_growing(-frontier[0][0]):
                 break

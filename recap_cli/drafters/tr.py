@@ -13,7 +13,6 @@ the table's probabilities along it: Token Recycling at equal cost, for a fair co
 
 from __future__ import annotations
 
-from ..cost import best_size
 from ..tree import Rows, Source, Tree, Verified
 from .base import Drafter
 from .memory import TokenTable, row_tuples
@@ -88,7 +87,7 @@ class TokenRecyclingDrafter(Drafter):
         """The nodes in order of decreasing path chance (a parent never follows its child: its chance is at
         least as high, ties keep template order), cut to the best size."""
         order = sorted(range(1, len(tree)), key=lambda i: -chance[i])
-        keep = best_size([chance[i] for i in order], self.cost.table(), self.cost.max_tokens)
+        keep = self.cost.best_size([chance[i] for i in order])
         kept = sorted(order[: keep - 1])  # template order again: parents before children
         index = {0: 0} | {old: new for new, old in enumerate(kept, start=1)}
         return Tree(tokens=[tree.tokens[0]] + [tree.tokens[i] for i in kept],

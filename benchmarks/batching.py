@@ -1,0 +1,118 @@
+"""Throughput of batched decoding: requests/hour and tokens/s of wall time, per method and batch size.
+
+    python benchmarks/batching.py --model demo --inputs sample_inputs/bench/demo_caption.jsonl \
+        sample_inputs/bench/demo_vqa.jsonl sample_inputs/bench/demo_multiturn.jsonl --batches 1,4,8,16
+
+One session per (method, batch size), each warmed up once (step costs measured, first requests untimed); then
+every round runs every session over all inputs with its memory cleared first, in an order that rotates from one
+round to the next, so machine drift hits all alike. Reported: the median over rounds (and the spread), mean
+rows in flight, tokens per step, and the share of requests whose tokens equal ``ar`` at batch 1 (batched matrix
+products may round differently from batch 1: any difference is listed, never hidden).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from recap_cli.batch import answer_all
+from recap_cli.compare import parse_method
+from recap_cli.models import load, locate
+from recap_cli.records import read
+from recap_cli.session import Session
+
+
+def requests(paths: list[Path], limit: int | None) -> list:
+    out = []
+    for path in paths:
+        with open(path, "rb") as source:
+            reqs = [r for r in read(source, path.resolve().parent) if r.error is None]
+        out += reqs[:limit]
+    return out
+
+
+def timed(session: Session, reqs: list, max_new_tokens: int) -> tuple[float, list, list]:
+    session.reset_memory()
+    session.steps = session.rows_stepped = 0
+    t0 = time.perf_counter()
+    results = list(answer_all(session, reqs, "bench", max_new_tokens))
+    return time.perf_counter() - t0, [r for r, _ in results], [t for _, t in results]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--inputs", nargs="+", type=Path, required=True)
+    ap.add_argument("--limit", type=int, default=None, help="requests per input file")
+    ap.add_argument("--methods", default="ar,recap")
+    ap.add_argument("--batches", default="1,4,8,16")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    adapter = load(locate(args.model, offline=True), device="cpu", dtype=args.dtype)
+    reqs = requests(args.inputs, args.limit)
+    methods, batches = args.methods.split(","), [int(b) for b in args.batches.split(",")]
+    sessions = {}
+    for method in methods:
+        name, knobs = parse_method(method)
+        for b in batches:
+            session = Session(adapter, name, batch=b, **knobs)
+            answer_all_list = list(answer_all(session, reqs[: 2 * b], "bench", args.max_new_tokens))  # warm-up
+            assert all(r["error"] is None for r, _ in answer_all_list)
+            sessions[(method, b)] = session
+    runs: dict[tuple[str, int], list[tuple[float, list, list, float | None]]] = {k: [] for k in sessions}
+    keys = list(sessions)
+    for r in range(args.rounds):
+        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+            seconds, records, tokens = timed(sessions[key], reqs, args.max_new_tokens)
+            runs[key].append((seconds, records, tokens, sessions[key].occupancy))
+            print(f"round {r + 1} {key[0]} batch {key[1]}: {seconds:.1f} s", file=sys.stderr)
+    reference = runs[(methods[0], batches[0])][0][2]  # the first method at the first batch size (ar at 1)
+    rows = []
+    for (method, b), results in runs.items():
+        rates = [len(reqs) * 3600 / s for s, _, _, _ in results]
+        tokens = sum(rec["new_tokens"] for rec in results[0][1])
+        steps = sum(rec["steps"] for rec in results[0][1])
+        emitted = tokens - sum(rec["turns"] for rec in results[0][1])
+        nodes = sum(rec["mean_nodes"] * rec["steps"] for rec in results[0][1])
+        differ = [rec["id"] for res in results for rec, t, want in zip(res[1], res[2], reference) if t != want]
+        rows.append({
+            "method": method, "batch": b, "requests_per_hour": statistics.median(rates),
+            "requests_per_hour_runs": [round(x) for x in rates],
+            "tokens_per_s": statistics.median(tokens / s for s, _, _, _ in results),
+            "mean_rows_in_flight": results[0][3] or 1.0,
+            "tokens_per_step": emitted / steps if steps else 0.0, "nodes_per_step": nodes / steps if steps else 0.0,
+            "match_vs_reference": 1 - len(set(differ)) / len(reqs), "differ": sorted(set(map(str, differ))),
+        })
+    base = {row["method"]: row["requests_per_hour"] for row in rows if row["batch"] == batches[0]}
+    ar = {row["batch"]: row["requests_per_hour"] for row in rows if row["method"] == methods[0]}
+    print(f"\n{len(reqs)} requests, max {args.max_new_tokens} new tokens, {torch.get_num_threads()} threads, "
+          f"{args.dtype}, {args.rounds} rounds (median; runs in brackets)")
+    print(f"| method | batch | requests/hour | tokens/s | x batch {batches[0]} | x {methods[0]} | rows in flight "
+          "| tokens/step | nodes/step | match |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        print(f"| {row['method']} | {row['batch']} | {row['requests_per_hour']:,.0f} "
+              f"({', '.join(f'{x:,}' for x in row['requests_per_hour_runs'])}) | {row['tokens_per_s']:.1f} | "
+              f"{row['requests_per_hour'] / base[row['method']]:.2f} | {row['requests_per_hour'] / ar[row['batch']]:.2f} | "
+              f"{row['mean_rows_in_flight']:.1f} | {row['tokens_per_step']:.2f} | {row['nodes_per_step']:.1f} | "
+              f"{100 * row['match_vs_reference']:.1f}% |")
+    for row in rows:
+        if row["differ"]:
+            print(f"{row['method']} batch {row['batch']}: tokens differ from the reference on {row['differ']}")
+    if args.json:
+        args.json.write_text(json.dumps({"requests": len(reqs), "max_new_tokens": args.max_new_tokens,
+                                         "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

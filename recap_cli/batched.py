@@ -1,0 +1,380 @@
+"""Batched decoding: several requests in flight, one forward pass per step for all of their draft trees.
+
+The KV cache is one DynamicCache whose batch dimension holds the requests in flight, each row left-aligned: row
+r's committed tokens sit at columns 0..length_r-1, and columns length_r..W-1 (W = the longest row) hold nothing
+it may see. A step appends every row's tree, padded to the widest (T nodes), at columns W..W+T-1; after
+verification each row's accepted path moves to columns length_r.. and the buffer is cut to the new longest row,
+so a row's memory is bounded by the longest row in flight plus one tree. Keys are cached after RoPE, so a
+column's index never has to equal its position: each row's positions come from its own length (+ Qwen's rope
+delta). Padding nodes see only themselves and nobody sees them.
+
+A request is prefilled alone (its own forward pass, into its own cache) and then joins the batch as a new row;
+a finished one leaves. Drafting stays per row (``Drafter.fork``: per-request memories of its own, the
+persistent tables shared), and the step-cost model sizes each row's tree for the whole batch (``RowShare``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from . import compat
+from .adapters import Adapter, Prompt
+from .cost import BatchCost, RowShare
+from .drafters import Drafter
+from .engine import Generation, text_positions, accept, commit, greedy_and_rows
+from .tree import Rows, Source, Tree, Verified
+
+
+# Requests in flight when --batch is not given, by device type (benchmarks/batching.py measured the CPU figure;
+# the CUDA one is projected from docs/benchmarks.md until measured).
+DEFAULT_BATCH = {"cpu": 8, "cuda": 16}
+
+
+def default_batch(device_type: str) -> int:
+    return DEFAULT_BATCH.get(device_type, 1)
+
+
+@dataclass
+class Slot:
+    """One row of the batch: how many of its tokens the cache holds, and where its text positions continue."""
+
+    length: int
+    rope_delta: int = 0
+
+
+class BatchEngine:
+    """Verifies one tree per row in one forward pass; rows join after their own prefill and leave when done."""
+
+    def __init__(self, adapter: Adapter, top_k: int = 8, max_batch: int = 8):
+        self.adapter, self.model, self.device, self.dtype = adapter, adapter.model, adapter.device, adapter.model.dtype
+        self.top_k, self.max_batch = top_k, max_batch
+        self._cache_kw = compat.cache_kwarg(self.model)
+        self.cache = None
+        self.slots: list[Slot] = []
+        self.per_row = 128 if self.device.type == "cuda" else 64  # the most nodes one row's tree may have
+        self.cost = BatchCost(max_batch, self.per_row)
+
+    @property
+    def width(self) -> int:
+        """Cache columns in use: the longest row (the buffer is cut to it after every change)."""
+        return max((s.length for s in self.slots), default=0)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @torch.inference_mode()
+    def join(self, prompts: list[Prompt], want_rows: bool = False) -> list[tuple[int, Rows | None]]:
+        """Prefill ``prompts`` together in one forward pass (right-padded), then add them as the last rows;
+        each one's first greedy token and, if asked, its top-k rows at every text position."""
+        inputs = self.adapter.batch_inputs(prompts)
+        needed = [self._needed(p, want_rows) for p in prompts]  # positions whose logits each row needs
+        keep = sorted(set().union(*needed))  # logits only there: a 7B vocabulary at every position is gigabytes
+        column = {pos: j for j, pos in enumerate(keep)}
+        cache = self.adapter.new_cache()
+        out = self.model(**inputs, use_cache=True, logits_to_keep=torch.tensor(keep, device=self.device),
+                         **{self._cache_kw: cache})
+        rows_of = torch.tensor([r for r, positions in enumerate(needed) for _ in positions], device=self.device)
+        cols_of = torch.tensor([column[pos] for positions in needed for pos in positions], device=self.device)
+        argmax, rows = greedy_and_rows(out.logits[rows_of, cols_of], self.top_k)
+        results, start = [], 0
+        for prompt, positions in zip(prompts, needed):
+            n = len(positions)
+            first = argmax[start + n - 1]  # the last position is the prompt's last token
+            mine = None
+            if want_rows:
+                mine = Rows(ids=rows.ids[start:start + n], probs=rows.probs[start:start + n], positions=positions)
+            results.append((first, mine))
+            start += n
+        if self.cache is None:
+            self.cache = cache
+        else:
+            compat.append_rows(self.cache, cache)
+        self.slots += [Slot(p.length, p.rope_delta) for p in prompts]
+        return results
+
+    def _needed(self, prompt: Prompt, want_rows: bool) -> list[int]:
+        """The prompt positions whose predictions a joining row needs, ending with its last (the first new
+        token): with ``want_rows`` every text position (image placeholders are never keys a drafter meets)."""
+        if not want_rows:
+            return [prompt.length - 1]
+        return text_positions(prompt.input_ids[0], self.adapter.image_token_id).tolist()
+
+    def leave(self, rows: list[int]) -> None:
+        """Drop these rows (indices into the batch) and their cache."""
+        gone = set(rows)
+        keep = [i for i in range(len(self.slots)) if i not in gone]
+        if not gone:
+            return
+        self.slots = [self.slots[i] for i in keep]
+        if not keep:
+            self.cache = None
+            return
+        compat.select_rows(self.cache, keep, self.width)
+
+    @torch.inference_mode()
+    def verify(self, trees: list[Tree]) -> list[Verified]:
+        """Evaluate every row's tree in one forward pass; accept each row's longest greedy path; compact."""
+        t0 = time.perf_counter()
+        sizes = [len(t) for t in trees]
+        ids, pos, mask = self.step_inputs(trees)
+        b, t = ids.shape
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                         **{self._cache_kw: self.cache})
+        logits = out.logits.reshape(b * t, -1)
+        if any(n < t for n in sizes):  # padding nodes' logits never leave the device
+            logits = logits[torch.tensor([r * t + i for r, n in enumerate(sizes) for i in range(n)],
+                                         device=logits.device)]
+        argmax, rows = greedy_and_rows(logits, self.top_k)
+        verified, start = [], 0
+        for tree, n in zip(trees, sizes):
+            mine = argmax[start:start + n]
+            path = accept(tree, mine)
+            verified.append(Verified(path=path, bonus=mine[path[-1]], argmax=mine,
+                                     rows=Rows(ids=rows.ids[start:start + n], probs=rows.probs[start:start + n])))
+            start += n
+        self._keep([v.path for v in verified])
+        self.cost.observe(b, t, time.perf_counter() - t0)  # the host copy above waited for the device
+        return verified
+
+    def step_inputs(self, trees: list[Tree]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(B, T) token ids and positions and the (B, 1, T, W + T) additive mask of one step.
+
+        Row r's node i sees row r's committed columns (< length_r), its tree ancestors and itself."""
+        b, t, w = len(trees), max(len(tr) for tr in trees), self.width
+        ids, depths, rows, cols = [], [], [], []
+        for r, tree in enumerate(trees):
+            pad = t - len(tree)
+            ids.append(tree.tokens + [tree.tokens[0]] * pad)
+            depth, lines = [0] * len(tree), []
+            for i, parent in enumerate(tree.parents):
+                if parent >= 0:
+                    depth[i] = depth[parent] + 1
+                line = (lines[parent] if parent >= 0 else []) + [w + i]
+                lines.append(line)
+                rows.extend([r * t + i] * len(line))
+                cols.extend(line)
+            depths.append(depth + [0] * pad)
+            for i in range(len(tree), t):  # padding: itself only
+                rows.append(r * t + i)
+                cols.append(w + i)
+        base = torch.tensor([[s.length + s.rope_delta] for s in self.slots], device=self.device)
+        pos = torch.tensor(depths, device=self.device) + base
+        ids_t = torch.tensor(ids, device=self.device)
+        if b == 1 and t == 1 and self.slots[0].length == w:
+            return ids_t, pos, None  # one token of one row sees everything cached: no mask needed
+        lengths = torch.tensor([s.length for s in self.slots])
+        mask = torch.full((b * t, w + t), torch.finfo(self.dtype).min, dtype=self.dtype)
+        committed = torch.arange(w)[None, :] < lengths.repeat_interleave(t)[:, None]
+        mask[:, :w].masked_fill_(committed, 0.0)
+        mask[rows, cols] = 0.0
+        mask = mask.view(b, 1, t, w + t).to(self.device)
+        return ids_t, pos, self.adapter.layer_masks(mask, pos, w)
+
+    def _keep(self, paths: list[list[int]]) -> None:
+        """Move each row's accepted path from the step's columns to the end of its committed tokens."""
+        w = self.width
+        rows, src, dst = [], [], []
+        for r, (slot, path) in enumerate(zip(self.slots, paths)):
+            if not (slot.length == w and path == list(range(len(path)))):  # already in place: a cut suffices
+                rows.extend([r] * len(path))
+                src.extend(w + i for i in path)
+                dst.extend(range(slot.length, slot.length + len(path)))
+            slot.length += len(path)
+        moves = [torch.tensor(x, device=self.device) for x in (rows, src, dst)] if rows else [None] * 3
+        compat.move_paths(self.cache, *moves, self.width)
+
+    @torch.inference_mode()
+    def measure_costs(self, prompt: Prompt, reps: int = 3) -> float:
+        """Time a step of every (rows, width) of the cost grid on this prompt's prefix (median of ``reps``;
+        one run where a step takes over 50 ms). Seconds spent; the batch is left empty."""
+        t0 = time.perf_counter()
+        assert not self.slots, "measure before any request joins"
+        for rows, curve in self.cost.by_rows.items():
+            self.join([prompt] * (rows - len(self.slots)))
+            timings = []
+            for width in curve.sizes:
+                tree = Tree(tokens=[0] * width, parents=[-1] + [(i - 1) // 2 for i in range(1, width)])
+                runs: list[float] = []
+                while len(runs) < reps and (not runs or runs[0] < 0.05):
+                    t1 = time.perf_counter()
+                    self.verify([tree] * rows)
+                    runs.append(time.perf_counter() - t1)
+                    for slot in self.slots:  # forget the step: the next one sees the same prefix
+                        slot.length = prompt.length
+                    compat.move_paths(self.cache, None, None, None, prompt.length)
+                timings.append(sorted(runs)[len(runs) // 2])
+            curve.set(timings)
+        self.leave(list(range(len(self.slots))))
+        return time.perf_counter() - t0
+
+
+@dataclass
+class Flight:
+    """One request turn decoding in the batch."""
+
+    tag: Hashable
+    drafter: Drafter
+    context: list[int]
+    max_new_tokens: int
+    gen: Generation = field(default_factory=Generation)
+    last: int = 1  # tokens its last step emitted: rows that emit more draft first (they set the width)
+    resting: int = 0  # steps left without drafting
+    pause: int = 1  # how long the next rest lasts
+
+
+MAX_REST = 8  # steps a row whose trees keep being cut to the root goes without drafting, at most
+Outcome = tuple[Hashable, "Generation | Exception"]  # a turn that left the batch: its tag and result
+
+
+class Batch:
+    """Continuous batching: up to ``size`` turns decode together; ``add`` prefills one into a free row,
+    ``step`` advances every row by one verification and returns the turns that ended (or failed)."""
+
+    def __init__(self, engine: BatchEngine, drafter: Drafter, size: int,
+                 on_step: Callable[[int], None] | None = None):
+        self.engine, self.drafter, self.size = engine, drafter, size
+        self.eos = engine.adapter.eos_token_ids
+        self.flights: list[Flight] = []
+        self.on_step = on_step  # told the rows of every step (occupancy statistics)
+
+    def has_room(self) -> bool:
+        return len(self.flights) < self.size
+
+    def __len__(self) -> int:
+        return len(self.flights)
+
+    def add(self, turns: list[tuple[Hashable, Prompt, int]]) -> list[Outcome]:
+        """Prefill these turns together and let them join (at most the free rows). Turns whose first token
+        already ends them leave at once, and are returned; so are turns that failed. If the joint prefill
+        fails (one huge input out of memory), each is tried alone, so only the culprit fails."""
+        if len(turns) > self.size - len(self.flights):
+            raise ValueError(f"{len(turns)} turns cannot join: {self.size - len(self.flights)} rows are free")
+        if not turns:
+            return []
+        if self.drafter.wants_costs and not self.engine.cost.measured:  # once per engine, on the first prompt
+            self.engine.measure_costs(turns[0][1])
+        try:
+            return self._join(turns)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            if len(turns) == 1:
+                return [(turns[0][0], exc)]
+            return [out for turn in turns for out in self.add([turn])]
+
+    def _join(self, turns: list[tuple[Hashable, Prompt, int]]) -> list[Outcome]:
+        for _, _, limit in turns:
+            if limit < 1:
+                raise ValueError("max_new_tokens must be at least 1")
+        drafters = [self.drafter.fork() for _ in turns]
+        t0 = time.perf_counter()
+        firsts = self.engine.join([prompt for _, prompt, _ in turns], want_rows=self.drafter.wants_prefill_rows)
+        prefill_s = (time.perf_counter() - t0) / len(turns)  # each turn's share of the joint prefill
+        start = len(self.flights)
+        for (tag, prompt, limit), drafter, (first, rows) in zip(turns, drafters, firsts):
+            gen = Generation(prefill_s=prefill_s)
+            self.flights.append(Flight(tag, drafter, prompt.input_ids[0].tolist(), limit, gen))
+        ended, failed = [], {}
+        for i, (first, rows) in zip(range(start, len(self.flights)), firsts):
+            flight = self.flights[i]
+            try:
+                flight.drafter.start(flight.context, rows)
+            except Exception as exc:  # noqa: BLE001 - one turn's failure is its own
+                failed[i] = exc
+                continue
+            flight.context.append(first)
+            flight.gen.tokens.append(first)
+            flight.gen.by_source[Source.BONUS.name] += 1
+            if first in self.eos or flight.max_new_tokens <= 1:
+                ended.append(i)
+        return self._leave(sorted(ended + list(failed)), failed)
+
+    def step(self) -> list[Outcome]:
+        """One verification of every row. A row whose host work raises (its drafter, its bookkeeping) leaves
+        with the exception as its result; the others go on unchanged."""
+        failed: dict[int, Exception] = {}
+        trees, draft_s = self._draft(failed)
+        out = self._leave(sorted(failed), failed)
+        if not self.flights:
+            return out
+        trees = [t for i, t in enumerate(trees) if i not in failed]
+        draft_s = [d for i, d in enumerate(draft_s) if i not in failed]
+        t0 = time.perf_counter()
+        verified = self.engine.verify(trees)
+        verify_s = time.perf_counter() - t0
+        if self.on_step is not None:
+            self.on_step(len(self.flights))
+        ended, failed = [], {}
+        for i, (flight, tree, v) in enumerate(zip(self.flights, trees, verified)):
+            try:
+                t1 = time.perf_counter()
+                flight.drafter.observe(tree, v)
+                spent = draft_s[i] + time.perf_counter() - t1
+                self.engine.cost.observe_host(max(len(tree), flight.drafter.grown), spent)
+                flight.gen.draft_s += spent
+                flight.gen.verify_s += verify_s  # the shared forward pass is part of every row's latency
+                added, done = commit(flight.gen, tree, v, self.eos, flight.max_new_tokens)
+                flight.context.extend(added)
+                flight.last = len(added)
+            except Exception as exc:  # noqa: BLE001 - one row's failure must not end the others
+                failed[i] = exc
+                continue
+            if done:
+                ended.append(i)
+        return out + self._leave(sorted(ended + list(failed)), failed)
+
+    def _draft(self, failed: dict[int, Exception]) -> tuple[list[Tree], list[float]]:
+        """Every row's tree, rows that emitted most last step first: each is sized for the whole step
+        (``RowShare``) given the width the rows before it set and the tokens they are expected to emit."""
+        n = len(self.flights)
+        trees: list[Tree] = [Tree.root(f.context[-1]) for f in self.flights]
+        seconds = [0.0] * n
+        width, expected, nodes = 1, 0.0, 0
+        for rank, i in enumerate(sorted(range(n), key=lambda j: -self.flights[j].last)):
+            flight = self.flights[i]
+            t0 = time.perf_counter()
+            share = None
+            try:
+                if flight.resting:
+                    flight.resting -= 1
+                    trees[i] = flight.drafter.rest(flight.context)
+                elif flight.drafter.wants_costs:
+                    rest = n - rank - 1  # rows still to draft: counted as their root alone
+                    share = RowShare(self.engine.cost, n, width, expected + rest, nodes + rest)
+                    flight.drafter.cost = share
+                    trees[i] = flight.drafter.propose(flight.context, self._room(flight))
+                    self._pace(flight, len(trees[i]))
+                else:
+                    trees[i] = flight.drafter.propose(flight.context, self._room(flight))
+            except Exception as exc:  # noqa: BLE001 - see step()
+                failed[i] = exc
+            seconds[i] = time.perf_counter() - t0
+            width = max(width, len(trees[i]))
+            expected += share.chosen_expected() if share is not None else 1.0
+            nodes += len(trees[i])
+        return trees, seconds
+
+    @staticmethod
+    def _room(flight: Flight) -> int:
+        return flight.max_new_tokens - len(flight.gen.tokens) - 1
+
+    @staticmethod
+    def _pace(flight: Flight, size: int) -> None:
+        """A row whose cost-sized tree was cut to its root rests (drafts nothing, costs no drafting) for 1, 2,
+        4, then 8 steps before it drafts again: at a wide batch a node seldom pays for a wider forward pass,
+        and drafting only to throw the tree away is host time every row of the step waits for."""
+        if size > 1:
+            flight.pause = 1
+        else:
+            flight.resting, flight.pause = flight.pause, min(2 * flight.pause, MAX_REST)
+
+    def _leave(self, rows: list[int], failed: dict[int, Exception] | None = None) -> list[Outcome]:
+        """Rows that are done (or failed) leave the batch; their outcomes, in row order."""
+        failed = failed or {}
+        out = [(self.flights[i].tag, failed.get(i, self.flights[i].gen)) for i in rows]
+        self.engine.leave(rows)
+        gone = set(rows)
+        self.flights = [f for i, f in enumerate(self.flights) if i not in gone]
+        return out

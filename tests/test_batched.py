@@ -1,0 +1,216 @@
+"""Batched decoding: every request's tokens equal its batch-1 greedy tokens, whatever shares its batch.
+
+The tiny models run in float64: batched matrix products may sum in another order than batch 1, and in float64
+that moves logits by ~1e-14, far below any top-2 gap of a random-init model, so an argmax cannot flip. (On real
+fp32 models benchmarks/batching.py reports the match rate instead.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recap_cli import compat
+from recap_cli.batch import answer_all
+from recap_cli.batched import Batch, BatchEngine
+from recap_cli.cost import BatchCost, RowShare, SizeChooser
+from recap_cli.drafters import RecapDrafter
+from recap_cli.engine import Engine
+from recap_cli.records import Request
+from recap_cli.session import Session
+from recap_cli.tree import Tree
+
+from .conftest import make_image, request
+
+QUESTIONS = ["What colour is the square?", "Describe the picture in one sentence, please.", "hi",
+             "Summarise: the quick brown fox jumps over the lazy dog and runs into the forest."]
+# Requests of very different lengths (token limits 1..40, one multi-turn) join and leave the batch as others end.
+LIMITS = [5, 40, 12, 30, 20, 1, 35, 8, 25, 40, 3]
+METHODS = [("ar", {}, None), ("recap", {}, "flat"), ("recap", {}, None), ("tr", {}, None), ("pld", {}, "flat")]
+
+
+def stream(arch: str, tmp_path, n: int = len(LIMITS)) -> list[Request]:
+    reqs = []
+    for i in range(n):
+        image = None
+        if arch != "text":
+            image = tmp_path / f"img{i}.png"
+            make_image(i, (80 + 8 * (i % 4), 60)).save(image)  # different sizes: different prompt lengths
+        turns = [QUESTIONS[i % len(QUESTIONS)]] + (["And then?", "Why?"] if i == 4 else [])
+        reqs.append(Request(line=i + 1, id=f"r{i}", image=image, turns=turns, max_new_tokens=LIMITS[i % len(LIMITS)]))
+    return reqs
+
+
+def flat_batch_costs(session: Session) -> Session:
+    """Steps of up to 16 nodes a row cost one token's, wider ones far more, frozen: real trees in every row."""
+    for curve in session.batch_engine.cost.by_rows.values():
+        curve.set([1.0 if width <= 16 else 1e3 for width in curve.sizes])
+        curve.alpha = 0.0
+    return session
+
+
+def run(session: Session, reqs: list[Request], max_new_tokens: int = 40) -> list[tuple[dict, list[list[int]]]]:
+    return list(answer_all(session, reqs, "tiny", max_new_tokens))
+
+
+@pytest.mark.parametrize("arch", ["qwen", "llava", "text"])
+def test_every_method_at_every_batch_size_equals_batch_one(get_adapter, arch, tmp_path):
+    adapter = get_adapter(arch)
+    reqs = stream(arch, tmp_path)
+    want = [tokens for _, tokens in run(Session(adapter, "ar"), reqs)]
+    assert all(want) and len(want[4]) == 3  # the multi-turn request answered all three turns
+    for method, knobs, costs in METHODS:
+        for n in (1, 2, 5, 8):
+            session = Session(adapter, method, batch=n, **knobs)
+            if costs == "flat" and n > 1:
+                flat_batch_costs(session)
+            out = run(session, reqs)
+            assert [r["id"] for r, _ in out] == [r.id for r in reqs], (method, n)  # input order
+            assert [tokens for _, tokens in out] == want, (method, knobs, costs, n)
+            if n > 1:
+                assert session.occupancy is not None and 1 < session.occupancy <= n
+                if method in ("recap", "tr") and (costs == "flat" or method == "tr"):  # real trees, many rows
+                    nodes = sum(r["mean_nodes"] * r["steps"] for r, _ in out) / sum(r["steps"] for r, _ in out)
+                    assert nodes > 3, (method, n)
+
+
+def test_each_rows_cache_holds_its_own_accepted_rows(get_adapter):
+    """After steps of ragged trees, row r's cached keys at 0..length_r-1 are the ones batch 1 caches for the
+    same tokens: the compaction kept each row's accepted path and nothing else."""
+    adapter = get_adapter("qwen")
+    prompts = [adapter.build(*request("qwen", q, seed, size)) for seed, (q, size) in
+               enumerate([(QUESTIONS[0], (80, 60)), (QUESTIONS[1], (104, 60)), (QUESTIONS[2], (80, 60))])]
+    batch = BatchEngine(adapter, max_batch=3)
+    firsts = batch.join(prompts)
+    contexts = [[p.input_ids[0].tolist(), [f]] for p, (f, _) in zip(prompts, firsts)]
+    for step in range(6):
+        trees = []
+        for r, (_, new) in enumerate(contexts):  # chains and bushes of several widths, some nodes right
+            n = 1 + (step + 2 * r) % 7
+            trees.append(Tree(tokens=[new[-1]] + [(new[-1] + k) % 50 for k in range(1, n)],
+                              parents=[-1] + [0 if k % 2 else k - 1 for k in range(1, n)]))
+        for (_, new), tree, v in zip(contexts, trees, batch.verify(trees)):
+            new.extend([tree.tokens[i] for i in v.path[1:]] + [v.bonus])
+    for r, (prompt, (_, new)) in enumerate(zip(prompts, contexts)):
+        single = Engine(adapter)
+        single.prefill(prompt)
+        for token in new[:-1]:  # one token at a time: the cache batch 1 would hold
+            single.verify(Tree.root(token))
+        length = batch.slots[r].length
+        assert length == single.length == prompt.length + len(new) - 1
+        for mine, theirs in zip(compat._layers(batch.cache), compat._layers(single.cache)):
+            assert torch.allclose(mine.keys[r, :, :length], theirs.keys[0], atol=1e-10)
+            assert torch.allclose(mine.values[r, :, :length], theirs.values[0], atol=1e-10)
+    assert batch.cache.layers[0].keys.shape[2] == max(s.length for s in batch.slots)  # cut to the longest row
+
+
+def test_hostile_input_fails_only_its_own_record(get_adapter, tmp_path, monkeypatch):
+    adapter = get_adapter("qwen")
+    reqs = stream("qwen", tmp_path, 8)
+    (tmp_path / "img1.png").write_bytes(b"not an image")  # fails while its request prepares
+    reqs[6].image = tmp_path / "missing.png"
+    want = run(Session(adapter, "recap"), reqs)
+    assert want[1][0]["error"] and want[6][0]["error"]
+
+    session = Session(adapter, "recap", batch=4)
+    forks, real_fork = [], RecapDrafter.fork
+
+    def fork(self):
+        row = real_fork(self)
+        forks.append(row)
+        if len(forks) == 3:  # the third request to join raises on its fourth draft, mid-batch
+            real_propose, calls = row.propose, []
+
+            def propose(context, room):
+                calls.append(1)
+                if len(calls) == 4:
+                    raise IndexError("drafter bug")
+                return real_propose(context, room)
+
+            row.propose = propose
+        return row
+
+    monkeypatch.setattr(RecapDrafter, "fork", fork)
+    out = run(session, reqs)
+    failed = [i for i, (r, _) in enumerate(out) if r["error"]]
+    culprit = next(i for i, (r, _) in enumerate(out) if r["error"] == "IndexError: drafter bug")
+    assert failed == sorted({1, 6, culprit})
+    assert out[1][0]["error"] == want[1][0]["error"] and out[6][0]["error"] == want[6][0]["error"]
+    for i, ((record, tokens), (_, expected)) in enumerate(zip(out, want)):
+        if i not in failed:
+            assert tokens == expected, i
+
+
+def test_a_joint_prefill_that_fails_is_retried_alone(get_adapter, tmp_path, monkeypatch):
+    """One huge input running a joint prefill out of memory must not take the requests beside it down."""
+    adapter = get_adapter("text")
+    reqs = stream("text", tmp_path, 6)
+    reqs[2].turns = ["a very long question " * 60]
+    want = run(Session(adapter, "ar"), reqs)
+    real_join = BatchEngine.join
+
+    def join(self, prompts, want_rows=False):
+        if any(p.length > 200 for p in prompts):
+            raise RuntimeError("out of memory\nat some allocator frame")
+        return real_join(self, prompts, want_rows)
+
+    monkeypatch.setattr(BatchEngine, "join", join)
+    out = run(Session(adapter, "ar", batch=4), reqs)
+    assert out[2][0]["error"] == "RuntimeError: out of memory"
+    assert [t for i, (_, t) in enumerate(out) if i != 2] == [t for i, (_, t) in enumerate(want) if i != 2]
+
+
+def test_rows_share_persistent_memory_and_own_request_memory(get_adapter, tmp_path):
+    adapter = get_adapter("text")
+    session = Session(adapter, "recap", batch=3)
+    row = session.drafter.fork()
+    assert row.order1 is session.drafter.order1 and row.calibration is session.drafter.calibration
+    assert row.keyed[2] is not session.drafter.keyed[2] and row.index is not session.drafter.index
+    run(session, stream("text", tmp_path, 5))
+    assert session.drafter.order1.filled() > 0  # every row wrote the shared order-1 table
+    assert not session.drafter.keyed[2]  # the session's own per-request memories were never written
+
+
+def test_a_turn_that_ends_at_its_first_token_leaves_at_once(get_adapter):
+    adapter = get_adapter("text")
+    engine = BatchEngine(adapter, max_batch=2)
+    batch = Batch(engine, Session(adapter, "ar").drafter, 2)
+    prompt = adapter.build(*request("text", "hi"))
+    out = batch.add([("a", prompt, 1), ("b", prompt, 5)])
+    assert [tag for tag, _ in out] == ["a"] and len(out[0][1].tokens) == 1
+    assert len(batch) == 1 and len(engine.slots) == 1
+    with pytest.raises(ValueError, match="rows are free"):
+        batch.add([("c", prompt, 5), ("d", prompt, 5)])
+
+
+def flat_cost(rows_seconds: dict[int, list[float]]) -> BatchCost:
+    cost = BatchCost(max_batch=8, per_row=16)
+    for rows, curve in cost.by_rows.items():
+        curve.set(rows_seconds[rows])
+    return cost
+
+
+def test_batch_cost_is_read_by_rows_and_width():
+    cost = BatchCost(max_batch=8, per_row=16)
+    assert cost.rows == (1, 2, 4, 8) and cost.by_rows[1].sizes == (1, 2, 4, 8, 16)
+    for rows, curve in cost.by_rows.items():
+        curve.set([rows * 1.0 + width / 16 for width in curve.sizes])
+    assert cost.forward_table(4)[1] == pytest.approx(4 + 1 / 16)
+    assert cost.forward_table(6)[16] == pytest.approx(6 + 1)  # between 4 and 8 rows: linear
+    cost.observe(4, 16, 100.0)  # an outlier counts at most three times the estimate
+    assert cost.by_rows[4].seconds[-1] < 3 * 5.0
+
+
+def test_row_share_widens_only_where_nodes_pay():
+    # Wide steps cost 10x a narrow one: a row adds nodes only if it is the first, with a sure chance.
+    cost = flat_cost({r: [1.0, 10.0, 10.0, 10.0, 10.0] for r in (1, 2, 4, 8)})
+    lone = RowShare(cost, rows=8, width=1, base=7.0, other_nodes=7)
+    chooser = lone.chooser()
+    assert not chooser.worth_growing(0.9)  # 0.9 more tokens for 10x the step: no
+    # Once an earlier row set the width to 4, nodes up to it cost this row nothing but drafting.
+    wide = RowShare(cost, rows=8, width=4, base=7.0, other_nodes=7)
+    chooser: SizeChooser = wide.chooser()
+    for chance in (0.5, 0.4, 0.3):
+        assert chooser.worth_growing(chance)
+        chooser.place(chance)
+    assert chooser.size == 4 and wide.chosen_expected() == pytest.approx(2.2)
