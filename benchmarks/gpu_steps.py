@@ -4,7 +4,8 @@
     python benchmarks/gpu_steps.py --tiny --no-compile                 # CPU smoke test of the script itself
 
 Measures ms per verification step for T = 1 and each bucket, ar ms/token (eager and compiled), transformers
-generate() ms/token, and RECAP's drafting overhead per step. Prints a table and writes JSON.
+generate() ms/token, RECAP's drafting overhead per step, and batched eager steps (``--batches``: B rows of T-node
+trees, each row with its own prefix, what ``recap run --batch B`` verifies per step). Prints tables, writes JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from recap_cli.adapters import Adapter, Prompt  # noqa: E402
+from recap_cli.batched import BatchEngine  # noqa: E402
 from recap_cli.drafters import Drafter, RecapDrafter  # noqa: E402
 from recap_cli.engine import BUCKETS, Engine, generate  # noqa: E402
 from recap_cli.tree import Tree  # noqa: E402
@@ -117,6 +119,15 @@ def drafting_ms(vocab: int, budget: int, steps: int = 200) -> float:
     return 1000 * (time.perf_counter() - t0) / steps
 
 
+def batched_costs(adapter: Adapter, prompt: Prompt, max_batch: int) -> dict[str, dict[int, float]]:
+    """ms per batched eager step, by rows (the cost grid up to ``max_batch``) and width: the grid recap's
+    BatchEngine measures at start-up, here with its timings reported."""
+    engine = BatchEngine(adapter, max_batch=max_batch)
+    engine.measure_costs(prompt, reps=5)
+    return {f"rows={rows}": {w: 1000 * s for w, s in zip(curve.sizes, curve.seconds)}
+            for rows, curve in engine.cost.by_rows.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="vicuna-7b,qwen2.5-vl-7b")
@@ -125,6 +136,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the script, not speed")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--batches", default="1,4,8,16,32", help="rows of the batched step grid (max = its batch)")
     ap.add_argument("--json", type=Path, default=Path("runs/gpu_steps.json"))
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -154,6 +166,7 @@ def main() -> None:
         if args.compile and device.type == "cuda":
             row["hf_static_compiled_ms_per_token"] = hf_ms_per_token(adapter, prompt, args.tokens, static=True)
         row["recap_draft_ms_per_step_64"] = drafting_ms(adapter.vocab_size, 64)
+        row["batched_step_ms"] = batched_costs(adapter, prompt, max(int(b) for b in args.batches.split(",")))
         report["shapes"][shape] = row
         print_row(shape, row)
         del adapter, eager
@@ -170,6 +183,8 @@ def print_row(shape: str, row: dict) -> None:
     for size, ms in row["eager_step_ms"].items():
         compiled = row.get("compiled_step_ms", {}).get(size)
         print(f"{size:>5} {ms:>10.2f} {'-' if compiled is None else f'{compiled:.2f}':>12}")
+    for rows, widths in row.get("batched_step_ms", {}).items():
+        print(f"batched eager {rows}: " + ", ".join(f"T={w}: {ms:.2f}" for w, ms in widths.items()))
     for key in ("eager_cost_model_ms", "compiled_cost_model_ms"):
         if key in row:
             print(f"{key}: " + ", ".join(f"{n}: {ms:.2f}" for n, ms in row[key].items()))

@@ -23,7 +23,7 @@ import torch
 
 from . import compat
 from .adapters import Adapter, Prompt
-from .cost import BatchCost, RowShare
+from .cost import BatchCost, RowShare, batch_width
 from .drafters import Drafter
 from .engine import Generation, text_positions, accept, commit, greedy_and_rows
 from .tree import Rows, Source, Tree, Verified
@@ -31,7 +31,7 @@ from .tree import Rows, Source, Tree, Verified
 
 # Requests in flight when --batch is not given, by device type (benchmarks/batching.py measured the CPU figure;
 # the CUDA one is projected from docs/benchmarks.md until measured).
-DEFAULT_BATCH = {"cpu": 8, "cuda": 16}
+DEFAULT_BATCH = {"cpu": 16, "cuda": 32}
 
 
 def default_batch(device_type: str) -> int:
@@ -224,9 +224,10 @@ class Flight:
     last: int = 1  # tokens its last step emitted: rows that emit more draft first (they set the width)
     resting: int = 0  # steps left without drafting
     pause: int = 1  # how long the next rest lasts
+    chances: list[float] = field(default_factory=list)  # path chances its last growth placed, best first
 
 
-MAX_REST = 8  # steps a row whose trees keep being cut to the root goes without drafting, at most
+MAX_REST = 32  # steps a row whose trees keep being cut to the root goes without drafting, at most
 Outcome = tuple[Hashable, "Generation | Exception"]  # a turn that left the batch: its tag and result
 
 
@@ -240,6 +241,7 @@ class Batch:
         self.eos = engine.adapter.eos_token_ids
         self.flights: list[Flight] = []
         self.on_step = on_step  # told the rows of every step (occupancy statistics)
+        self.pause = 1  # the rest a joining turn starts from: the last one to leave had reached it
 
     def has_room(self) -> bool:
         return len(self.flights) < self.size
@@ -275,7 +277,7 @@ class Batch:
         start = len(self.flights)
         for (tag, prompt, limit), drafter, (first, rows) in zip(turns, drafters, firsts):
             gen = Generation(prefill_s=prefill_s)
-            self.flights.append(Flight(tag, drafter, prompt.input_ids[0].tolist(), limit, gen))
+            self.flights.append(Flight(tag, drafter, prompt.input_ids[0].tolist(), limit, gen, pause=self.pause))
         ended, failed = [], {}
         for i, (first, rows) in zip(range(start, len(self.flights)), firsts):
             flight = self.flights[i]
@@ -326,12 +328,16 @@ class Batch:
         return out + self._leave(sorted(ended + list(failed)), failed)
 
     def _draft(self, failed: dict[int, Exception]) -> tuple[list[Tree], list[float]]:
-        """Every row's tree, rows that emitted most last step first: each is sized for the whole step
-        (``RowShare``) given the width the rows before it set and the tokens they are expected to emit."""
+        """Every row's tree. The step's width is chosen first, for all rows together, from the chances each
+        row's last growth placed (``batch_width``); then rows draft, those that emitted most last step first,
+        each sized for the whole step (``RowShare``): free up to the width so far, paying beyond it."""
         n = len(self.flights)
         trees: list[Tree] = [Tree.root(f.context[-1]) for f in self.flights]
         seconds = [0.0] * n
-        width, expected, nodes = 1, 0.0, 0
+        width = 1
+        if self.drafter.wants_costs:
+            width = batch_width(self.engine.cost, [[] if f.resting else f.chances for f in self.flights])
+        expected, nodes = 0.0, 0
         for rank, i in enumerate(sorted(range(n), key=lambda j: -self.flights[j].last)):
             flight = self.flights[i]
             t0 = time.perf_counter()
@@ -345,6 +351,7 @@ class Batch:
                     share = RowShare(self.engine.cost, n, width, expected + rest, nodes + rest)
                     flight.drafter.cost = share
                     trees[i] = flight.drafter.propose(flight.context, self._room(flight))
+                    flight.chances = share.grown_chances()
                     self._pace(flight, len(trees[i]))
                 else:
                     trees[i] = flight.drafter.propose(flight.context, self._room(flight))
@@ -363,8 +370,9 @@ class Batch:
     @staticmethod
     def _pace(flight: Flight, size: int) -> None:
         """A row whose cost-sized tree was cut to its root rests (drafts nothing, costs no drafting) for 1, 2,
-        4, then 8 steps before it drafts again: at a wide batch a node seldom pays for a wider forward pass,
-        and drafting only to throw the tree away is host time every row of the step waits for."""
+        4, ... up to MAX_REST steps before it drafts again, and a turn joining the batch starts where the last
+        one to leave had got to: at a wide batch a node seldom pays for a wider forward pass, and drafting only
+        to throw the tree away is host time every row of the step waits for."""
         if size > 1:
             flight.pause = 1
         else:
@@ -374,6 +382,8 @@ class Batch:
         """Rows that are done (or failed) leave the batch; their outcomes, in row order."""
         failed = failed or {}
         out = [(self.flights[i].tag, failed.get(i, self.flights[i].gen)) for i in rows]
+        if rows:
+            self.pause = self.flights[rows[-1]].pause
         self.engine.leave(rows)
         gone = set(rows)
         self.flights = [f for i, f in enumerate(self.flights) if i not in gone]

@@ -139,7 +139,10 @@ class BatchCost:
     def __init__(self, max_batch: int, per_row: int):
         self.rows = tuple(sorted({r for r in ROWS if r < max_batch} | {max_batch}))
         widths = tuple(sorted({w for w in WIDTHS if w < per_row} | {per_row}))
-        self.by_rows = {r: StepCost(widths) for r in self.rows}
+        # Faster to follow than batch 1's: start-up timings are taken on one prompt's short prefix, while a
+        # run's rows are ragged and their caches grow (a wide step at 16 rows then costs 15-30% more than
+        # measured); wide steps are rare, so each must count.
+        self.by_rows = {r: StepCost(widths, alpha=0.2) for r in self.rows}
         self.max_width = per_row
         self.host_per_node = 0.0
         self._tables: dict[int, tuple[list[float], list[float], list[float]]] = {}
@@ -149,6 +152,7 @@ class BatchCost:
         return all(c.measured for c in self.by_rows.values())
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
+        """A step of ``rows`` rows at width ``width`` took ``seconds``: the cells around it move towards it."""
         lo, hi, w = self._bracket(rows)
         self.by_rows[lo].observe(width, seconds, 1.0 - w)
         if hi != lo:
@@ -212,6 +216,31 @@ class RowShare:
         """Tokens the sized tree is expected to emit (1, its bonus token, when nothing sized it)."""
         return self._chooser.best_expected - self.base if self._chooser is not None else 1.0
 
+    def grown_chances(self) -> list[float]:
+        """The path chances of every node the growth placed, cut or not, in placement order: what this row
+        would emit from a tree of each size, next step's guess when the batch picks its width."""
+        return self._chooser.chances if self._chooser is not None else []
+
+
+def batch_width(cost: BatchCost, chances: list[list[float]]) -> int:
+    """The width (nodes per row, root included) maximising the step's expected tokens per second when every row
+    may fill its tree up to it: row r emits 1 + its first w - 1 chances (``chances[r]``, best first). Rows size
+    their trees one by one, and each alone seldom pays for widening every row's forward pass; together they
+    may, so the width is chosen for all of them first."""
+    rows, forward, h = len(chances), cost.forward_table(len(chances)), cost.host_per_node
+    best_w, best_rate = 1, rows / (forward[1] + h * rows)
+    expected, nodes = float(rows), rows
+    longest = min(max((len(c) for c in chances), default=0) + 1, cost.max_width)
+    for w in range(2, longest + 1):
+        for c in chances:
+            if len(c) >= w - 1:
+                expected += c[w - 2]
+                nodes += 1
+        rate = expected / (forward[w] + h * nodes)
+        if rate > best_rate:
+            best_w, best_rate = w, rate
+    return best_w
+
 
 class ShareTable:
     """T(n) of a row's share, n = 0..max_width, read lazily: growth stops after a few sizes, and building the
@@ -250,10 +279,12 @@ class SizeChooser:
         self.size, self.best = 1, self.expected / table[1]
         self.best_expected = self.expected
         self.grid = _checkpoints(self.limit, tuple(grid))
+        self.chances: list[float] = []  # of the nodes placed, in order
 
     def place(self, chance: float) -> None:
         self.n += 1
         self.expected += chance
+        self.chances.append(chance)
         rate = self.expected / self.t[self.n]
         if rate > self.best:
             self.size, self.best, self.best_expected = self.n, rate, self.expected
