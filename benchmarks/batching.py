@@ -8,6 +8,11 @@ every round runs every session over all inputs with its memory cleared first, in
 round to the next, so machine drift hits all alike. Reported: the median over rounds (and the spread), mean
 rows in flight, tokens per step, and the share of requests whose tokens equal ``ar`` at batch 1 (batched matrix
 products may round differently from batch 1: any difference is listed, never hidden).
+
+``--costs h200`` sizes every tree with the step costs projected for Qwen2.5-VL-7B on an H200 instead of this
+machine's (eager steps, shared/DESIGN.md section 3, frozen) and reports projected decoding throughput: emitted
+tokens over the modelled step times plus this machine's drafting time (prefill left out). Acceptance is a
+property of the drafts, not of the clock, so tokens per step are what that GPU would see.
 """
 
 from __future__ import annotations
@@ -37,6 +42,37 @@ def requests(paths: list[Path], limit: int | None) -> list:
     return out
 
 
+# Projected eager step on an H200 at the Qwen2.5-VL-7B shape: launch-bound, 21-26 ms for 1 to 128 tokens
+# (measured, DESIGN.md section 3); beyond, compute at ~2 x 7.6e9 FLOP per token and ~700 TFLOP/s (projected).
+H200_EAGER_S, H200_PER_TOKEN_S = 23e-3, 2 * 7.6e9 / 700e12
+
+
+def h200_step(tokens: int) -> float:
+    return max(H200_EAGER_S, tokens * H200_PER_TOKEN_S)
+
+
+def project_h200(session: Session) -> list[float]:
+    """Freeze the session's step costs at the projected H200 ones; the list fills with each step's modelled
+    seconds as it runs."""
+    modelled: list[float] = []
+    if session.batch_engine is None:
+        cost = session.engine.cost
+        cost.set([h200_step(n) for n in cost.sizes])
+        cost.alpha = 0.0
+        engine = session.engine
+        real = engine.verify
+        engine.verify = lambda tree: (modelled.append(h200_step(len(tree))), real(tree))[1]
+        return modelled
+    batched = session.batch_engine
+    for rows, curve in batched.cost.by_rows.items():
+        curve.set([h200_step(rows * w) for w in curve.sizes])
+        curve.alpha = 0.0
+    real_batched = batched.verify
+    batched.verify = lambda trees: (modelled.append(h200_step(len(trees) * max(len(t) for t in trees))),
+                                    real_batched(trees))[1]
+    return modelled
+
+
 def timed(session: Session, reqs: list, max_new_tokens: int) -> tuple[float, list, list]:
     session.reset_memory()
     session.steps = session.rows_stepped = 0
@@ -56,25 +92,36 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--costs", choices=("measured", "h200"), default="measured")
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     adapter = load(locate(args.model, offline=True), device="cpu", dtype=args.dtype)
     reqs = requests(args.inputs, args.limit)
     methods, batches = args.methods.split(","), [int(b) for b in args.batches.split(",")]
     sessions = {}
+    modelled: dict[tuple[str, int], list[float]] = {}
     for method in methods:
         name, knobs = parse_method(method)
         for b in batches:
             session = Session(adapter, name, batch=b, **knobs)
+            if args.costs == "h200":
+                modelled[(method, b)] = project_h200(session)
             answer_all_list = list(answer_all(session, reqs[: 2 * b], "bench", args.max_new_tokens))  # warm-up
             assert all(r["error"] is None for r, _ in answer_all_list)
             sessions[(method, b)] = session
     runs: dict[tuple[str, int], list[tuple[float, list, list, float | None]]] = {k: [] for k in sessions}
+    projected: dict[tuple[str, int], list[float]] = {k: [] for k in sessions}
     keys = list(sessions)
     for r in range(args.rounds):
         for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+            start = len(modelled.get(key, []))
             seconds, records, tokens = timed(sessions[key], reqs, args.max_new_tokens)
             runs[key].append((seconds, records, tokens, sessions[key].occupancy))
+            if key in modelled:  # decoding on the GPU: modelled steps + this machine's drafting
+                emitted = sum(rec["new_tokens"] - rec["turns"] for rec in records)
+                busy = sum(modelled[key][start:]) + sum(rec["draft_ms"] for rec in records) / 1000 / (
+                    sessions[key].occupancy or 1.0)  # rows draft one after another within a step
+                projected[key].append(emitted / busy)
             print(f"round {r + 1} {key[0]} batch {key[1]}: {seconds:.1f} s", file=sys.stderr)
     reference = runs[(methods[0], batches[0])][0][2]  # the first method at the first batch size (ar at 1)
     rows = []
@@ -92,6 +139,8 @@ def main() -> None:
             "mean_rows_in_flight": results[0][3] or 1.0,
             "tokens_per_step": emitted / steps if steps else 0.0, "nodes_per_step": nodes / steps if steps else 0.0,
             "match_vs_reference": 1 - len(set(differ)) / len(reqs), "differ": sorted(set(map(str, differ))),
+            "projected_h200_decode_tokens_per_s": statistics.median(projected[(method, b)]) if projected[(method, b)]
+            else None,
         })
     base = {row["method"]: row["requests_per_hour"] for row in rows if row["batch"] == batches[0]}
     ar = {row["batch"]: row["requests_per_hour"] for row in rows if row["method"] == methods[0]}
@@ -106,6 +155,15 @@ def main() -> None:
               f"{row['requests_per_hour'] / base[row['method']]:.2f} | {row['requests_per_hour'] / ar[row['batch']]:.2f} | "
               f"{row['mean_rows_in_flight']:.1f} | {row['tokens_per_step']:.2f} | {row['nodes_per_step']:.1f} | "
               f"{100 * row['match_vs_reference']:.1f}% |")
+    if args.costs == "h200":
+        ar_h200 = {row["batch"]: row["projected_h200_decode_tokens_per_s"] for row in rows if row["method"] == methods[0]}
+        print("\nprojected on an H200, Qwen2.5-VL-7B, eager steps (decoding only, prefill left out)")
+        print(f"| method | batch | tokens/s | x {methods[0]} | tokens/step a row | nodes/step a row |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for row in rows:
+            tps = row["projected_h200_decode_tokens_per_s"]
+            print(f"| {row['method']} | {row['batch']} | {tps:,.0f} | {tps / ar_h200[row['batch']]:.2f} | "
+                  f"{row['tokens_per_step']:.2f} | {row['nodes_per_step']:.1f} |")
     for row in rows:
         if row["differ"]:
             print(f"{row['method']} batch {row['batch']}: tokens differ from the reference on {row['differ']}")

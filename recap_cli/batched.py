@@ -352,7 +352,7 @@ class Batch:
                     flight.drafter.cost = share
                     trees[i] = flight.drafter.propose(flight.context, self._room(flight))
                     flight.chances = share.grown_chances()
-                    self._pace(flight, len(trees[i]))
+                    self._pace(flight, share.cut_to_root())
                 else:
                     trees[i] = flight.drafter.propose(flight.context, self._room(flight))
             except Exception as exc:  # noqa: BLE001 - see step()
@@ -368,15 +368,15 @@ class Batch:
         return flight.max_new_tokens - len(flight.gen.tokens) - 1
 
     @staticmethod
-    def _pace(flight: Flight, size: int) -> None:
+    def _pace(flight: Flight, cut_to_root: bool) -> None:
         """A row whose cost-sized tree was cut to its root rests (drafts nothing, costs no drafting) for 1, 2,
         4, ... up to MAX_REST steps before it drafts again, and a turn joining the batch starts where the last
         one to leave had got to: at a wide batch a node seldom pays for a wider forward pass, and drafting only
         to throw the tree away is host time every row of the step waits for."""
-        if size > 1:
-            flight.pause = 1
-        else:
+        if cut_to_root:
             flight.resting, flight.pause = flight.pause, min(2 * flight.pause, MAX_REST)
+        else:
+            flight.pause = 1
 
     def _leave(self, rows: list[int], failed: dict[int, Exception] | None = None) -> list[Outcome]:
         """Rows that are done (or failed) leave the batch; their outcomes, in row order."""

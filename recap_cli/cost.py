@@ -216,6 +216,10 @@ class RowShare:
         """Tokens the sized tree is expected to emit (1, its bonus token, when nothing sized it)."""
         return self._chooser.best_expected - self.base if self._chooser is not None else 1.0
 
+    def cut_to_root(self) -> bool:
+        """The tree had candidates, and none was worth its cost at this batch."""
+        return self._chooser is not None and self._chooser.stopped and self._chooser.size == 1
+
     def grown_chances(self) -> list[float]:
         """The path chances of every node the growth placed, cut or not, in placement order: what this row
         would emit from a tree of each size, next step's guess when the batch picks its width."""
@@ -280,6 +284,7 @@ class SizeChooser:
         self.best_expected = self.expected
         self.grid = _checkpoints(self.limit, tuple(grid))
         self.chances: list[float] = []  # of the nodes placed, in order
+        self.stopped = False  # growth ended because no bigger tree could pay (not for want of candidates)
 
     def place(self, chance: float) -> None:
         self.n += 1
@@ -291,11 +296,13 @@ class SizeChooser:
 
     def worth_growing(self, next_chance: float) -> bool:
         n, t, e = self.n, self.t, self.expected
+        self.stopped = True
         if n >= self.limit or n >= 2 * self.size + 4:
             return False
         a = n
         for b in self.grid[bisect.bisect_right(self.grid, n):]:
             if (e + (b - n) * next_chance) / t[a + 1] > self.best:
+                self.stopped = False
                 return True
             a = b
         return False

@@ -12,8 +12,8 @@ import torch
 
 from recap_cli import compat
 from recap_cli.batch import answer_all
-from recap_cli.batched import Batch, BatchEngine
-from recap_cli.cost import BatchCost, RowShare, SizeChooser
+from recap_cli.batched import Batch, BatchEngine, Flight
+from recap_cli.cost import BatchCost, RowShare, SizeChooser, batch_width
 from recap_cli.drafters import RecapDrafter
 from recap_cli.engine import Engine
 from recap_cli.records import Request
@@ -214,3 +214,29 @@ def test_row_share_widens_only_where_nodes_pay():
         assert chooser.worth_growing(chance)
         chooser.place(chance)
     assert chooser.size == 4 and wide.chosen_expected() == pytest.approx(2.2)
+
+
+def test_batch_width_widens_when_rows_together_pay():
+    # A wider step costs 1.5x a one-token step: no single row's node (chance 0.6) pays for it, all rows' do.
+    cost = flat_cost({r: [1.0, 1.5, 1.5, 1.5, 1.5] for r in (1, 2, 4, 8)})
+    assert batch_width(cost, [[0.6]] + [[] for _ in range(7)]) == 1
+    assert batch_width(cost, [[0.6, 0.5, 0.4]] * 8) == 4  # free up to the next grid width once paid for
+    assert batch_width(cost, [[0.2]] * 8) == 1  # 8 x 0.2 more tokens do not pay for 1.5x
+
+
+def test_only_rows_cut_by_cost_rest(get_adapter):
+    """A row rests after the cost model cut its tree to the root, not when it simply had nothing to draft."""
+    cost = flat_cost({r: [1.0, 10.0, 10.0, 10.0, 10.0] for r in (1, 2, 4, 8)})
+    flight = Flight(tag=0, drafter=None, context=[], max_new_tokens=10)
+    nothing = RowShare(cost, rows=8, width=1, base=7.0, other_nodes=7)
+    nothing.chooser()  # no candidate was ever offered
+    assert not nothing.cut_to_root()
+    Batch._pace(flight, nothing.cut_to_root())
+    assert flight.resting == 0
+    declined = RowShare(cost, rows=8, width=1, base=7.0, other_nodes=7)
+    assert not declined.chooser().worth_growing(0.9)
+    assert declined.cut_to_root()
+    for expected in (1, 2, 4):
+        Batch._pace(flight, True)
+        assert flight.resting == expected
+        flight.resting = 0
