@@ -4,8 +4,8 @@
         sample_inputs/bench/demo_vqa.jsonl sample_inputs/bench/demo_multiturn.jsonl --batches 1,4,8,16
 
 One session per (method, batch size), each warmed up once (step costs measured, first requests untimed); then
-every round runs every session over all inputs with its memory cleared first, in an order that rotates from one
-round to the next, so machine drift hits all alike. Reported: the median over rounds (and the spread), mean
+every round runs every session over all inputs with its memory cleared first, the methods back to back at each
+batch size in an order that rotates from one round to the next, so machine drift hits all alike. Reported: the median over rounds (and the spread), mean
 rows in flight, tokens per step, and the share of requests whose tokens equal ``ar`` at batch 1 (batched matrix
 products may round differently from batch 1: any difference is listed, never hidden).
 
@@ -111,9 +111,10 @@ def main() -> None:
             sessions[(method, b)] = session
     runs: dict[tuple[str, int], list[tuple[float, list, list, float | None]]] = {k: [] for k in sessions}
     projected: dict[tuple[str, int], list[float]] = {k: [] for k in sessions}
-    keys = list(sessions)
     for r in range(args.rounds):
-        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+        # Methods side by side at each batch size, their order rotating from round to round.
+        order = methods[r % len(methods):] + methods[: r % len(methods)]
+        for key in [(method, b) for b in batches for method in order]:
             start = len(modelled.get(key, []))
             seconds, records, tokens = timed(sessions[key], reqs, args.max_new_tokens)
             runs[key].append((seconds, records, tokens, sessions[key].occupancy))

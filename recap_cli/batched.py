@@ -8,9 +8,10 @@ so a row's memory is bounded by the longest row in flight plus one tree. Keys ar
 column's index never has to equal its position: each row's positions come from its own length (+ Qwen's rope
 delta). Padding nodes see only themselves and nobody sees them.
 
-A request is prefilled alone (its own forward pass, into its own cache) and then joins the batch as a new row;
-a finished one leaves. Drafting stays per row (``Drafter.fork``: per-request memories of its own, the
-persistent tables shared), and the step-cost model sizes each row's tree for the whole batch (``RowShare``).
+Joining requests are prefilled together (one right-padded forward pass, into a cache of their own, whose rows
+are then appended); a finished one leaves. Drafting stays per row (``Drafter.fork``: per-request memories of
+its own, the persistent tables shared), and the step-cost model, measured by rows x width, sizes every row's
+tree for the whole step (``batch_width``, ``RowShare``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from . import compat
 from .adapters import Adapter, Prompt
 from .cost import BatchCost, RowShare, batch_width
 from .drafters import Drafter
-from .engine import Generation, text_positions, accept, commit, greedy_and_rows
+from .engine import Generation, accept, commit, greedy_and_rows, text_positions
 from .tree import Rows, Source, Tree, Verified
 
 
@@ -106,9 +107,9 @@ class BatchEngine:
     def leave(self, rows: list[int]) -> None:
         """Drop these rows (indices into the batch) and their cache."""
         gone = set(rows)
-        keep = [i for i in range(len(self.slots)) if i not in gone]
         if not gone:
             return
+        keep = [i for i in range(len(self.slots)) if i not in gone]
         self.slots = [self.slots[i] for i in keep]
         if not keep:
             self.cache = None
@@ -228,12 +229,13 @@ class Flight:
 
 
 MAX_REST = 32  # steps a row whose trees keep being cut to the root goes without drafting, at most
+TRUST_RATE = 0.1  # how fast the batch learns what the rows' guesses are worth
 Outcome = tuple[Hashable, "Generation | Exception"]  # a turn that left the batch: its tag and result
 
 
 class Batch:
-    """Continuous batching: up to ``size`` turns decode together; ``add`` prefills one into a free row,
-    ``step`` advances every row by one verification and returns the turns that ended (or failed)."""
+    """Continuous batching: up to ``size`` turns decode together; ``add`` prefills turns together into free
+    rows, ``step`` advances every row by one verification and returns the turns that ended (or failed)."""
 
     def __init__(self, engine: BatchEngine, drafter: Drafter, size: int,
                  on_step: Callable[[int], None] | None = None):
@@ -242,6 +244,9 @@ class Batch:
         self.flights: list[Flight] = []
         self.on_step = on_step  # told the rows of every step (occupancy statistics)
         self.pause = 1  # the rest a joining turn starts from: the last one to leave had reached it
+        # Realized / guessed drafted tokens of the steps whose width the rows' last trees chose: a row's next
+        # tree is not its last, and the rows whose last trees looked best are the likeliest to fall short.
+        self.trust, self._guessed = 1.0, 0.0
 
     def has_room(self) -> bool:
         return len(self.flights) < self.size
@@ -308,6 +313,9 @@ class Batch:
         verify_s = time.perf_counter() - t0
         if self.on_step is not None:
             self.on_step(len(self.flights))
+        if self._guessed > 0:
+            drafted = sum(len(v.path) - 1 for v in verified)
+            self.trust = min(1.0, max(0.05, self.trust + TRUST_RATE * (drafted / self._guessed - self.trust)))
         ended, failed = [], {}
         for i, (flight, tree, v) in enumerate(zip(self.flights, trees, verified)):
             try:
@@ -334,9 +342,11 @@ class Batch:
         n = len(self.flights)
         trees: list[Tree] = [Tree.root(f.context[-1]) for f in self.flights]
         seconds = [0.0] * n
-        width = 1
+        width, self._guessed = 1, 0.0
         if self.drafter.wants_costs:
-            width = batch_width(self.engine.cost, [[] if f.resting else f.chances for f in self.flights])
+            chances = [[] if f.resting else f.chances for f in self.flights]
+            width = batch_width(self.engine.cost, chances, self.trust)
+            self._guessed = sum(sum(c[:width - 1]) for c in chances)
         expected, nodes = 0.0, 0
         for rank, i in enumerate(sorted(range(n), key=lambda j: -self.flights[j].last)):
             flight = self.flights[i]

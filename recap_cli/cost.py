@@ -226,11 +226,12 @@ class RowShare:
         return self._chooser.chances if self._chooser is not None else []
 
 
-def batch_width(cost: BatchCost, chances: list[list[float]]) -> int:
+def batch_width(cost: BatchCost, chances: list[list[float]], trust: float = 1.0) -> int:
     """The width (nodes per row, root included) maximising the step's expected tokens per second when every row
-    may fill its tree up to it: row r emits 1 + its first w - 1 chances (``chances[r]``, best first). Rows size
-    their trees one by one, and each alone seldom pays for widening every row's forward pass; together they
-    may, so the width is chosen for all of them first."""
+    may fill its tree up to it: row r emits 1 + its first w - 1 chances (``chances[r]``, best first; from its
+    last tree, so scaled by ``trust``, what such guesses turned out to be worth). Rows size their trees one by
+    one, and each alone seldom pays for widening every row's forward pass; together they may, so the width is
+    chosen for all of them first."""
     rows, forward, h = len(chances), cost.forward_table(len(chances)), cost.host_per_node
     best_w, best_rate = 1, rows / (forward[1] + h * rows)
     expected, nodes = float(rows), rows
@@ -238,7 +239,7 @@ def batch_width(cost: BatchCost, chances: list[list[float]]) -> int:
     for w in range(2, longest + 1):
         for c in chances:
             if len(c) >= w - 1:
-                expected += c[w - 2]
+                expected += trust * c[w - 2]
                 nodes += 1
         rate = expected / (forward[w] + h * nodes)
         if rate > best_rate:

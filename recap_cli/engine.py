@@ -194,6 +194,7 @@ def accept(tree: Tree, argmax: list[int]) -> list[int]:
 
 
 def text_positions(ids: torch.Tensor, image_token: int | None) -> torch.Tensor:
+    """Prompt positions that hold text: the rows at image placeholders are keys no drafter meets again."""
     if image_token is None:
         return torch.arange(ids.numel(), device=ids.device)
     return (ids != image_token).nonzero().flatten()

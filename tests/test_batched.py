@@ -240,3 +240,14 @@ def test_only_rows_cut_by_cost_rest(get_adapter):
         Batch._pace(flight, True)
         assert flight.resting == expected
         flight.resting = 0
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl", "llava_onevision", "idefics3", "smolvlm", "internvl",
+                                  "gemma3"])
+def test_every_family_batches_exactly(get_adapter, arch, tmp_path):
+    """The joint prefill (each family's own image inputs, padded and concatenated) and per-row masks and
+    positions (Gemma 3's sliding window per row) give every family its batch-1 tokens, with full trees."""
+    adapter = get_adapter(arch)
+    reqs = stream(arch, tmp_path, 6)
+    want = [tokens for _, tokens in run(Session(adapter, "ar"), reqs)]
+    assert [tokens for _, tokens in run(Session(adapter, "tr", batch=4), reqs)] == want
