@@ -169,12 +169,14 @@ class BatchEngine:
         ids_t = torch.tensor(ids, device=self.device)
         if b == 1 and t == 1 and self.slots[0].length == w:
             return ids_t, pos, None  # one token of one row sees everything cached: no mask needed
-        lengths = torch.tensor([s.length for s in self.slots])
-        mask = torch.full((b * t, w + t), torch.finfo(self.dtype).min, dtype=self.dtype)
-        committed = torch.arange(w)[None, :] < lengths.repeat_interleave(t)[:, None]
+        # Built where it is used: on a GPU the mask (rows x nodes x positions) is megabytes, its indices are not.
+        dev = self.device
+        lengths = torch.tensor([s.length for s in self.slots], device=dev)
+        mask = torch.full((b * t, w + t), torch.finfo(self.dtype).min, dtype=self.dtype, device=dev)
+        committed = torch.arange(w, device=dev)[None, :] < lengths.repeat_interleave(t)[:, None]
         mask[:, :w].masked_fill_(committed, 0.0)
-        mask[rows, cols] = 0.0
-        mask = mask.view(b, 1, t, w + t).to(self.device)
+        mask[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = 0.0
+        mask = mask.view(b, 1, t, w + t)
         return ids_t, pos, self.adapter.layer_masks(mask, pos, w)
 
     def _keep(self, paths: list[list[int]]) -> None:
