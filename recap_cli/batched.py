@@ -73,6 +73,12 @@ class BatchEngine:
     def join(self, prompts: list[Prompt], want_rows: bool = False) -> list[tuple[int, Rows | None]]:
         """Prefill ``prompts`` together in one forward pass (right-padded), then add them as the last rows;
         each one's first greedy token and, if asked, its top-k rows at every text position."""
+        results, cache = self._prefill(prompts, want_rows)
+        self._admit(cache, prompts)
+        return results
+
+    def _prefill(self, prompts: list[Prompt], want_rows: bool) -> tuple[list[tuple[int, Rows | None]], object]:
+        """The joint prefill: each prompt's first token and rows, and the new rows' own cache."""
         inputs = self.adapter.batch_inputs(prompts)
         needed = [self._needed(p, want_rows) for p in prompts]  # positions whose logits each row needs
         keep = sorted(set().union(*needed))  # logits only there: a 7B vocabulary at every position is gigabytes
@@ -92,12 +98,15 @@ class BatchEngine:
                 mine = Rows(ids=rows.ids[start:start + n], probs=rows.probs[start:start + n], positions=positions)
             results.append((first, mine))
             start += n
+        return results, cache
+
+    def _admit(self, cache, prompts: list[Prompt]) -> None:
+        """The prefilled rows join: appended after the rows in flight."""
         if self.cache is None:
             self.cache = cache
         else:
             compat.append_rows(self.cache, cache)
         self.slots += [Slot(p.length, p.rope_delta) for p in prompts]
-        return results
 
     def _needed(self, prompt: Prompt, want_rows: bool) -> list[int]:
         """The prompt positions whose predictions a joining row needs, ending with its last (the first new
@@ -125,11 +134,12 @@ class BatchEngine:
         sizes = [len(t) for t in trees]
         ids, pos, mask = self.step_inputs(trees)
         b, t = ids.shape
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
-                         **{self._cache_kw: self.cache})
+        out = self._forward(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                            **{self._cache_kw: self.cache})
         logits = out.logits.reshape(b * t, -1)
-        if any(n < t for n in sizes):  # padding nodes' logits never leave the device
-            logits = logits[torch.tensor([r * t + i for r, n in enumerate(sizes) for i in range(n)],
+        batch_rows = self._batch_rows()
+        if batch_rows != list(range(b)) or any(n < t for n in sizes):  # padding's logits never leave the device
+            logits = logits[torch.tensor([batch_rows[r] * t + i for r, n in enumerate(sizes) for i in range(n)],
                                          device=logits.device)]
         argmax, rows = greedy_and_rows(logits, self.top_k)
         verified, start = [], 0
@@ -142,6 +152,13 @@ class BatchEngine:
         self._keep([v.path for v in verified])
         self.cost.observe(b, t, time.perf_counter() - t0)  # the host copy above waited for the device
         return verified
+
+    def _forward(self, **inputs):
+        return self.model(**inputs)
+
+    def _batch_rows(self) -> list[int]:
+        """The row of the forward pass's batch that each request in flight occupies."""
+        return list(range(len(self.slots)))
 
     def step_inputs(self, trees: list[Tree]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(B, T) token ids and positions and the (B, 1, T, W + T) additive mask of one step.

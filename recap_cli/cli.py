@@ -98,8 +98,8 @@ def run(
     suffix: Optional[bool] = typer.Option(None, "--suffix/--no-suffix", help="recap: suffix continuations"),
     calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate",
                                              help="recap: learn acceptance chances online (else raw probabilities)"),
-    compile: str = typer.Option("auto", help="static KV cache + CUDA graphs at batch 1: auto (on with CUDA), on "
-                                "or off"),
+    compile: str = typer.Option("auto", help="static KV cache + CUDA graphs: auto (on with CUDA at batch 1), on "
+                                "(batched too) or off"),
     batch: Optional[int] = typer.Option(None, min=1, help="requests decoding together, each with its own draft "
                                         f"tree (continuous batching) [default: {DEFAULT_BATCH['cpu']} on CPU, "
                                         f"{DEFAULT_BATCH['cuda']} on CUDA]"),
@@ -129,9 +129,6 @@ def run(
         knobs["budget"] = _budget(method, budget)
     if compile not in ("auto", "on", "off"):
         fail("--compile takes auto, on or off")
-    if compile == "on" and (batch or 1) > 1:
-        fail("--compile on serves batch 1 (static cache + CUDA graphs); batched decoding runs eagerly: "
-             "drop --compile or use --batch 1")
     if ray is not None:
         job = dict(model=model, method=method, knobs=knobs, compile=compile, device=device, dtype=dtype, attn=attn,
                    max_new_tokens=max_new_tokens, base=base, batch=batch)
@@ -178,9 +175,10 @@ def run(
         t0 = time.perf_counter()
         try:
             for record, _ in answer_all(session, todo(), model, max_new_tokens):
-                _write(sink, record)
-                totals.add(record)
-                progress.advance(task)
+                with safety.whole_lines():
+                    _write(sink, record)
+                    totals.add(record)
+                    progress.advance(task)
         except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the request in flight is dropped; lines stay whole
             stop = EXIT_TERMINATED if isinstance(exc, safety.Terminated) else EXIT_INTERRUPTED
         except BrokenPipeError:  # the reader of stdout went away (`| head`): nobody can take more answers
@@ -321,13 +319,13 @@ def _session(adapter, method: str, knobs: dict, compiled: bool, batch: int = 1) 
     falls back to eager decoding (the fast path must never cost a user the run)."""
     if not compiled:
         return Session(adapter, method, batch=batch, **knobs)
-    session = Session(adapter, method, static=True, compile=True, **knobs)
     try:
+        session = Session(adapter, method, static=True, compile=True, batch=batch, **knobs)
         seconds = session.warm_up([records.as_parts(records.user_message("Hello.", False))], [])
     except Exception as exc:  # noqa: BLE001 - see the docstring
         err.print(f"[yellow]warning:[/] compiling the decoding steps failed ({type(exc).__name__}: "
                   f"{records.first_line(exc)}); decoding eagerly")
-        return Session(adapter, method, **knobs)
+        return Session(adapter, method, batch=batch, **knobs)
     info(f"compiled the decoding steps in {seconds:.1f} s (once per run)")
     return session
 

@@ -171,3 +171,28 @@ def _grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
                                                            attn_mask=attention_mask.repeat(1, 1, groups, 1),
                                                            scale=scaling)
     return out.reshape(b, heads, t, dim).transpose(1, 2).contiguous(), None
+
+
+# The static-shape batched engine (recap_cli/batched_static.py): one StaticCache whose slots are rows.
+
+def allocate_static(cache, like, rows: int) -> None:
+    """Allocate a static cache's buffers for ``rows`` slots, shaped like the (initialized) cache ``like``."""
+    for layer, model in zip(cache.layers, _layers(like)):
+        if not getattr(layer, "is_initialized", False):
+            shape = (rows, model.keys.shape[1], 1, model.keys.shape[3])
+            layer.lazy_initialization(model.keys.new_zeros(shape), model.values.new_zeros(shape))
+
+
+def copy_row(cache, slot: int, source, row: int, length: int) -> None:
+    """Columns 0..length-1 of ``source``'s row ``row`` into slot ``slot`` of the static ``cache``."""
+    for layer, src in zip(cache.layers, _layers(source)):
+        layer.keys[slot, :, :length] = src.keys[row, :, :length]
+        layer.values[slot, :, :length] = src.values[row, :, :length]
+
+
+def gather_row(cache, slot: int, columns: torch.Tensor) -> None:
+    """Slot ``slot``'s columns ``columns`` (in order) to its columns 0..n-1."""
+    n = columns.numel()
+    for layer in cache.layers:
+        layer.keys[slot, :, :n] = layer.keys[slot, :, columns]
+        layer.values[slot, :, :n] = layer.values[slot, :, columns]

@@ -135,13 +135,14 @@ class BatchCost:
     model, 300 cached positions: sixteen rows of one token cost 7.1 ms, one row of sixteen tokens 5.0 ms).
     """
 
-    def __init__(self, max_batch: int, per_row: int):
+    def __init__(self, max_batch: int, per_row: int, buckets: Sequence[int] | None = None):
         self.rows = tuple(sorted({r for r in ROWS if r < max_batch} | {max_batch}))
         widths = tuple(sorted({w for w in WIDTHS if w < per_row} | {per_row}))
         # Faster to follow than batch 1's: start-up timings are taken on one prompt's short prefix, while a
         # run's rows are ragged and their caches grow (a wide step at 16 rows then costs 15-30% more than
-        # measured); wide steps are rare, so each must count.
-        self.by_rows = {r: StepCost(widths, alpha=0.2) for r in self.rows}
+        # measured); wide steps are rare, so each must count. ``buckets``: a static-shape engine pads every
+        # step to a width bucket (and runs every slot), so a step costs its bucket's.
+        self.by_rows = {r: StepCost(widths, buckets=buckets, alpha=0.2) for r in self.rows}
         self.max_width = per_row
         self.host_per_node = 0.0
         self._tables: dict[int, tuple[list[float], list[float], list[float]]] = {}

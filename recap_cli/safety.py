@@ -55,21 +55,48 @@ def unwritable(path: Path, flag: str, atomic: bool = False) -> str | None:
 
 @contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
-    """While inside, SIGTERM raises ``Terminated`` (a KeyboardInterrupt); the previous handler comes back after,
-    so a second SIGTERM during the final memory save ends the process at once."""
+    """While inside, SIGTERM raises ``Terminated`` (a KeyboardInterrupt) and SIGINT a KeyboardInterrupt, except
+    within ``whole_lines``, which they wait for; the previous handlers come back after, so a second SIGTERM
+    during the final memory save ends the process at once."""
     try:
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        previous = {sig: signal.signal(sig, handler) for sig, handler in
+                    ((signal.SIGTERM, _stop_as(Terminated)), (signal.SIGINT, _stop_as(KeyboardInterrupt)))}
     except ValueError:  # not the main thread: signals cannot be handled here
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated
+_writing: list[bool] = [False]
+_pending: list[KeyboardInterrupt] = []
+
+
+def _stop_as(kind: type[KeyboardInterrupt]):
+    def handler(signum, frame) -> None:
+        if _writing[0]:
+            _pending.append(kind())
+            return
+        raise kind
+    return handler
+
+
+@contextmanager
+def whole_lines() -> Iterator[None]:
+    """A stop signal that arrives inside waits until the block is done: a record is written (and counted) whole.
+    Raised inside a buffered write, it could leave half a line on stdout and the rest after it."""
+    _writing[0] = True
+    try:
+        yield
+    finally:
+        _writing[0] = False
+        if _pending:
+            stop = _pending[0]
+            _pending.clear()
+            raise stop
 
 
 def silence_stdout() -> None:

@@ -13,6 +13,7 @@ from PIL import Image
 
 from .adapters import Adapter, Message, Prompt
 from .batched import Batch, BatchEngine
+from .batched_static import StaticBatchEngine
 from .drafters import Drafter, make_drafter
 from .engine import Engine, Generation, generate
 from .records import first_line
@@ -31,8 +32,6 @@ class Session:
                  batch: int = 1, **knobs):
         if batch < 1:
             raise ValueError("batch is at least 1")
-        if batch > 1 and (static or compile):
-            raise ValueError("batched decoding runs eagerly: a static, compiled cache serves batch 1 only")
         self.adapter = adapter
         self.method = method
         self.batch = batch
@@ -41,12 +40,18 @@ class Session:
         top_k = getattr(self.drafter, "top_k", 8)
         self.engine = Engine(adapter, top_k=top_k, static=static, compile=compile,
                              min_capacity=4096 if compile else 0)
-        self.batch_engine = BatchEngine(adapter, top_k=top_k, max_batch=batch) if batch > 1 else None
+        self.batch_engine: BatchEngine | None = None
+        if batch > 1:
+            self.batch_engine = (StaticBatchEngine(adapter, top_k=top_k, max_batch=batch, compile=compile)
+                                 if static or compile else BatchEngine(adapter, top_k=top_k, max_batch=batch))
         self.steps = self.rows_stepped = 0  # batched steps and the rows they verified (occupancy)
 
     def warm_up(self, messages: list[Message], images: list[Image.Image]) -> float:
         """Compile / capture every step shape before timed work; seconds spent."""
-        return self.engine.warm_up(self.adapter.build(messages, images))
+        prompt = self.adapter.build(messages, images)
+        if self.batch_engine is not None:  # every (slots x bucket) shape, timed for the cost model on the way
+            return self.batch_engine.measure_costs(prompt)
+        return self.engine.warm_up(prompt)
 
     def answer(self, messages: list[Message], images: list[Image.Image], max_new_tokens: int) -> Generation:
         prompt, limit = self.prepare(messages, images, max_new_tokens)

@@ -13,6 +13,7 @@ import torch
 from recap_cli import compat
 from recap_cli.batch import answer_all
 from recap_cli.batched import Batch, BatchEngine, Flight
+from recap_cli.batched_static import StaticBatchEngine
 from recap_cli.cost import BatchCost, RowShare, SizeChooser, batch_width
 from recap_cli.drafters import RecapDrafter
 from recap_cli.engine import Engine
@@ -251,3 +252,30 @@ def test_every_family_batches_exactly(get_adapter, arch, tmp_path):
     reqs = stream(arch, tmp_path, 6)
     want = [tokens for _, tokens in run(Session(adapter, "ar"), reqs)]
     assert [tokens for _, tokens in run(Session(adapter, "tr", batch=4), reqs)] == want
+
+
+@pytest.mark.parametrize("arch", ["qwen", "llava", "text"])
+def test_the_static_shape_variant_equals_batch_one(get_adapter, arch, tmp_path):
+    """All slots every step, trees padded to buckets, accepted nodes left where they were written: a small
+    buffer makes it grow and compact many times over the stream."""
+    adapter = get_adapter(arch)
+    reqs = stream(arch, tmp_path)
+    want = [tokens for _, tokens in run(Session(adapter, "ar"), reqs)]
+    for method, knobs, costs in METHODS:
+        for n in (2, 5):
+            session = Session(adapter, method, batch=n, static=True, **knobs)
+            engine = session.batch_engine = StaticBatchEngine(adapter, top_k=session.engine.top_k, max_batch=n,
+                                                              capacity=128)
+            compactions, compact = [], engine._compact
+            engine._compact = lambda: (compactions.append(1), compact())[1]
+            if costs == "flat":
+                flat_batch_costs(session)
+            out = run(session, reqs)
+            assert [tokens for _, tokens in out] == want, (method, knobs, costs, n)
+            assert engine.capacity > 128  # it grew
+            assert compactions or method != "tr"  # 128-node template steps fill the buffer again and again
+
+
+def test_the_static_variant_refuses_sliding_windows(get_adapter):
+    with pytest.raises(ValueError, match="sliding windows"):
+        StaticBatchEngine(get_adapter("gemma3"), max_batch=2)

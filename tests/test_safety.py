@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from recap_cli import cli
+from recap_cli import cli, safety
 from recap_cli.records import load_image
 from recap_cli.session import Session
 
@@ -357,8 +357,10 @@ def test_sigterm_stops_like_ctrl_c_with_memory_and_summary(tmp_path):
                   "--max-new-tokens", 8])
     first = proc.stdout.readline()
     proc.send_signal(signal.SIGTERM)
-    rest, stderr = proc.communicate(timeout=120)
-    stderr = stderr.decode()
+    # Read on through the same buffered reader: communicate() would read the pipe underneath it and lose the lines
+    # readline() had already buffered (a batch writes several records at once).
+    rest, stderr = proc.stdout.read(), proc.stderr.read().decode()
+    proc.wait(timeout=120)
     assert proc.returncode == 143, stderr
     out = [orjson.loads(x) for x in (first + rest).splitlines()]
     assert 1 <= len(out) < 400 and [r["id"] for r in out] == list(range(len(out)))
@@ -421,3 +423,16 @@ def test_the_readme_stdin_pipeline_works_as_written(monkeypatch):
     r = invoke(["run", "-", "--root", "sample_inputs", "--max-new-tokens", 16], head)
     out = lines(r.stdout)
     assert r.exit_code == 0 and len(out) == 3 and all(x["error"] is None for x in out), r.stdout
+
+
+def test_a_stop_signal_waits_for_the_line_being_written():
+    """SIGTERM (or Ctrl-C) arriving while a record is written and counted is raised once that is done, so the
+    output never holds half a line."""
+    done = []
+    with pytest.raises(safety.Terminated), safety.terminate_as_interrupt():
+        with safety.whole_lines():
+            os.kill(os.getpid(), signal.SIGTERM)
+            done.append("written")
+            done.append("counted")
+        done.append("next record")
+    assert done == ["written", "counted"]
