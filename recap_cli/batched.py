@@ -167,20 +167,8 @@ class BatchEngine:
         b, t, w = len(trees), max(len(tr) for tr in trees), self.width
         ids, depths, rows, cols = [], [], [], []
         for r, tree in enumerate(trees):
-            pad = t - len(tree)
-            ids.append(tree.tokens + [tree.tokens[0]] * pad)
-            depth, lines = [0] * len(tree), []
-            for i, parent in enumerate(tree.parents):
-                if parent >= 0:
-                    depth[i] = depth[parent] + 1
-                line = (lines[parent] if parent >= 0 else []) + [w + i]
-                lines.append(line)
-                rows.extend([r * t + i] * len(line))
-                cols.extend(line)
-            depths.append(depth + [0] * pad)
-            for i in range(len(tree), t):  # padding: itself only
-                rows.append(r * t + i)
-                cols.append(w + i)
+            ids.append(tree.tokens + [tree.tokens[0]] * (t - len(tree)))
+            depths.append(padded_tree_cells(tree, t, r * t, w, rows, cols))
         base = torch.tensor([[s.length + s.rope_delta] for s in self.slots], device=self.device)
         pos = torch.tensor(depths, device=self.device) + base
         ids_t = torch.tensor(ids, device=self.device)
@@ -232,6 +220,22 @@ class BatchEngine:
             curve.set(timings)
         self.leave(list(range(len(self.slots))))
         return time.perf_counter() - t0
+
+
+def padded_tree_cells(tree: Tree, width: int, row: int, column: int, rows: list[int], cols: list[int]) -> list[int]:
+    """Append the mask cells of one tree padded to ``width`` nodes, written at columns ``column``..: node i
+    (mask row ``row + i``) sees its ancestors and itself, a padding node only itself. Returns the padded depths."""
+    depth, lines = [0] * width, []
+    for i, parent in enumerate(tree.parents):
+        if parent >= 0:
+            depth[i] = depth[parent] + 1
+        line = (lines[parent] if parent >= 0 else []) + [column + i]
+        lines.append(line)
+        rows.extend([row + i] * len(line))
+        cols.extend(line)
+    rows.extend(row + i for i in range(len(tree), width))
+    cols.extend(column + i for i in range(len(tree), width))
+    return depth
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 
 from . import compat
 from .adapters import Adapter, Prompt
-from .batched import BatchEngine, Slot
+from .batched import BatchEngine, Slot, padded_tree_cells
 from .cost import BatchCost
 from .engine import BUCKETS
 from .tree import Tree
@@ -89,21 +89,10 @@ class StaticBatchEngine(BatchEngine):
         rows, cols = [], []
         for tree, slot, state in zip(trees, self.place, self.slots):
             ids[slot] = tree.tokens + [tree.tokens[0]] * (t - len(tree))
-            depth, lines = [0] * len(tree), []
-            for i, parent in enumerate(tree.parents):
-                if parent >= 0:
-                    depth[i] = depth[parent] + 1
-                line = (lines[parent] if parent >= 0 else []) + [p + i]
-                lines.append(line)
-                rows.extend([slot * t + i] * len(line))
-                cols.extend(line)
-            depths[slot] = depth + [0] * (t - len(tree))
+            depths[slot] = padded_tree_cells(tree, t, slot * t, p, rows, cols)
             base[slot] = state.length + state.rope_delta
-            rows.extend(slot * t + i for i in range(len(tree), t))
-            cols.extend(p + i for i in range(len(tree), t))
         for slot in set(range(n)) - set(self.place):  # free slots: padding nodes only
-            rows.extend(slot * t + i for i in range(t))
-            cols.extend(p + i for i in range(t))
+            padded_tree_cells(Tree(tokens=[], parents=[]), t, slot * t, p, rows, cols)
         pos = torch.tensor(depths, device=dev) + torch.tensor(base, device=dev)[:, None]
         mask = torch.full((n * t, self.capacity), torch.finfo(self.dtype).min, dtype=self.dtype, device=dev)
         mask[:, :p].masked_fill_(self.valid[:, :p].repeat_interleave(t, 0), 0.0)
