@@ -66,9 +66,6 @@ class BatchEngine:
         """Cache columns in use: the longest row (the buffer is cut to it after every change)."""
         return max((s.length for s in self.slots), default=0)
 
-    def __len__(self) -> int:
-        return len(self.slots)
-
     @torch.inference_mode()
     def join(self, prompts: list[Prompt], want_rows: bool = False) -> list[tuple[int, Rows | None]]:
         """Prefill ``prompts`` together in one forward pass (right-padded), then add them as the last rows;
@@ -272,9 +269,6 @@ class Batch:
         # Realized / guessed drafted tokens of the steps whose width the rows' last trees chose: a row's next
         # tree is not its last, and the rows whose last trees looked best are the likeliest to fall short.
         self.trust, self._guessed = 1.0, 0.0
-
-    def has_room(self) -> bool:
-        return len(self.flights) < self.size
 
     def __len__(self) -> int:
         return len(self.flights)
