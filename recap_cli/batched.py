@@ -204,7 +204,7 @@ class BatchEngine:
             self.join([prompt] * (rows - len(self.slots)))
             timings = []
             for width in curve.sizes:
-                tree = Tree(tokens=[0] * width, parents=[-1] + [(i - 1) // 2 for i in range(1, width)])
+                tree = Tree.balanced(width)
                 runs: list[float] = []
                 while len(runs) < reps and (not runs or runs[0] < 0.05):
                     t1 = time.perf_counter()

@@ -19,7 +19,7 @@ from . import compat
 from .adapters import Adapter, Prompt
 from .batched import BatchEngine, Slot, padded_tree_cells
 from .cost import BatchCost
-from .engine import BUCKETS
+from .engine import BUCKETS, bucket
 from .tree import Tree
 
 
@@ -78,7 +78,7 @@ class StaticBatchEngine(BatchEngine):
     def step_inputs(self, trees: list[Tree]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(slots, T) ids and positions, T the bucket, and the (slots, 1, T, capacity) mask: a node sees its
         slot's valid columns, its ancestors (written at P + index) and itself; a free slot's nodes see themselves."""
-        t = next((b for b in self.buckets if b >= max(len(tr) for tr in trees)), max(len(tr) for tr in trees))
+        t = bucket(max(len(tr) for tr in trees), self.buckets)
         if self.top + t > self.capacity:
             self._compact()
             if self.top + t > self.capacity:
@@ -140,7 +140,7 @@ class StaticBatchEngine(BatchEngine):
         start = self.top
         timings = []
         for width in self.buckets:
-            tree = Tree(tokens=[0] * width, parents=[-1] + [(i - 1) // 2 for i in range(1, width)])
+            tree = Tree.balanced(width)
             runs = []
             for _ in range(reps + 1):
                 t1 = time.perf_counter()

@@ -123,7 +123,7 @@ class Engine:
         self.prefill(prompt, reserve=self.cost.max_tokens)
         start, timings = self.length, []
         for size in self.cost.sizes:
-            tree = Tree(tokens=[0] * size, parents=[-1] + [(i - 1) // 2 for i in range(1, size)])
+            tree = Tree.balanced(size)
             runs = []
             for _ in range(reps):
                 t1 = time.perf_counter()
@@ -136,9 +136,7 @@ class Engine:
         return time.perf_counter() - t0
 
     def _bucket(self, n: int) -> int:
-        if not self.static:
-            return n
-        return next((b for b in self.buckets if b >= n), n)
+        return bucket(n, self.buckets) if self.static else n
 
     def _causal_mask(self, n: int) -> torch.Tensor:
         """Prefill mask over a static cache: causal within the prompt, nothing beyond it."""
@@ -169,6 +167,11 @@ class Engine:
         rows = None if contiguous else torch.tensor(path, device=self.device)
         compat.keep_rows(self.cache, self.length, rows, self.length + len(path))
         self.length += len(path)
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest static step shape that holds ``n`` nodes (``n`` itself past the largest)."""
+    return next((b for b in buckets if b >= n), n)
 
 
 def greedy_and_rows(logits: torch.Tensor, k: int) -> tuple[list[int], Rows]:

@@ -35,6 +35,12 @@ class Tree:
     def root(cls, token: int) -> "Tree":
         return cls([token], [-1], [Source.ROOT])
 
+    @classmethod
+    def balanced(cls, size: int) -> "Tree":
+        """A balanced binary tree of ``size`` nodes (depth log2 size), shaped like real drafts for the mask: what
+        the engines time a step of each size with."""
+        return cls(tokens=[0] * size, parents=[-1] + [(i - 1) // 2 for i in range(1, size)])
+
     def __len__(self) -> int:
         return len(self.tokens)
 
