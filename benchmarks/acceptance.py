@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from recap_cli.batch import answer_with_tokens  # noqa: E402
-from recap_cli.cost import StepCost  # noqa: E402
-from recap_cli.engine import Generation  # noqa: E402
+from recap_cli.decoding.cost import StepCost  # noqa: E402
+from recap_cli.decoding.engine import Generation  # noqa: E402
 from recap_cli.models import load  # noqa: E402
 from recap_cli.records import Request, parse_line  # noqa: E402
 from recap_cli.session import Session  # noqa: E402

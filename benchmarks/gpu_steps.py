@@ -22,10 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from recap_cli.adapters import Adapter, Prompt  # noqa: E402
-from recap_cli.batched import BatchEngine  # noqa: E402
+from recap_cli.decoding.batched import BatchEngine  # noqa: E402
 from recap_cli.drafters import Drafter, RecapDrafter  # noqa: E402
-from recap_cli.engine import BUCKETS, Engine, generate  # noqa: E402
-from recap_cli.tree import Tree  # noqa: E402
+from recap_cli.decoding.engine import BUCKETS, Engine, generate  # noqa: E402
+from recap_cli.decoding.tree import Tree  # noqa: E402
 
 VICUNA_7B = dict(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=8192)
@@ -104,7 +104,7 @@ def drafting_ms(vocab: int, budget: int, steps: int = 200) -> float:
     d = RecapDrafter(vocab, budget=budget)
     d.start(list(range(100)), None)
     context = torch.randint(0, vocab, (400,), generator=g).tolist()
-    from recap_cli.tree import Rows, Verified
+    from recap_cli.decoding.tree import Rows, Verified
 
     def rows(n: int) -> Rows:
         return Rows(ids=torch.randint(0, 200, (n, 8), generator=g),

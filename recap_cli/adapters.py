@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from . import compat
+from .decoding import compat
 
 Message = dict[str, Any]  # {"role": "user"|"assistant"|"system", "content": str | list of parts}
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from PIL import Image
 
 from .adapters import Adapter, Message, Prompt
-from .engine import Generation
+from .decoding.engine import Generation
 from .records import Request, as_parts, first_line, load_image, user_message
 from .session import GenerateSession, Session
-from .tree import Source
+from .decoding.tree import Source
 
 SOURCE_KEYS = {s.name: s.name.lower() for s in Source if s not in (Source.ROOT, Source.OTHER)}
 

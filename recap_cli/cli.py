@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from . import compare as comparison
 from . import records, report, safety
 from .batch import Totals, answer_all, run_figures
-from .batched import DEFAULT_BATCH, default_batch
+from .decoding.batched import DEFAULT_BATCH, default_batch
 from .drafters import METHODS
 from .models import FAMILIES, ModelError, load, locate, on_disk
 from .session import MemoryFileError, Session

@@ -15,8 +15,8 @@ from typing import Callable, Iterator
 import torch
 
 from .adapters import Adapter, Gemma3Adapter, LlavaNextAdapter, QwenVLAdapter, VisionAdapter
-from . import compat
-from .compat import hub_network_errors
+from .decoding import compat
+from .decoding.compat import hub_network_errors
 from .records import first_line
 
 # The demo model ships inside the package (trained by recap_cli/demo/train.py on the synthetic world).

@@ -30,7 +30,7 @@ from ray.exceptions import RayError
 
 from . import records
 from .batch import Totals, answer, answer_all, error_record
-from .batched import DEFAULT_BATCH, default_batch
+from .decoding.batched import DEFAULT_BATCH, default_batch
 
 FAULT_ENV = "RECAP_FAULT_KILL_AFTER"  # test knob: one worker exits hard once after this many records
 PUSH_EVERY_S = 60.0  # how often a worker copies its memory to the driver's collector mid-run

@@ -12,10 +12,10 @@ import torch
 from PIL import Image
 
 from .adapters import Adapter, Message, Prompt
-from .batched import Batch, BatchEngine
-from .batched_static import StaticBatchEngine
+from .decoding.batched import Batch, BatchEngine
+from .decoding.batched_static import StaticBatchEngine
 from .drafters import Drafter, make_drafter
-from .engine import Engine, Generation, generate
+from .decoding.engine import Engine, Generation, generate
 from .records import first_line
 
 MEMORY_FORMAT, MEMORY_VERSION = "recap-memory", 2

@@ -13,7 +13,7 @@ from recap_cli.models import load
 from recap_cli.tiny_models import (build_tiny_gemma3, build_tiny_idefics3, build_tiny_internvl, build_tiny_llama,
                                    build_tiny_llava_next, build_tiny_llava_onevision, build_tiny_qwen2_5_vl,
                                    build_tiny_qwen2_vl, build_tiny_qwen3_vl, build_tiny_smolvlm)
-from recap_cli.tree import Source, Tree
+from recap_cli.decoding.tree import Source, Tree
 
 torch.set_num_threads(2)
 

@@ -10,16 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recap_cli import compat
+from recap_cli.decoding import compat
 from recap_cli.batch import answer_all
-from recap_cli.batched import Batch, BatchEngine, Flight
-from recap_cli.batched_static import StaticBatchEngine
-from recap_cli.cost import BatchCost, RowShare, SizeChooser, batch_width
+from recap_cli.decoding.batched import Batch, BatchEngine, Flight
+from recap_cli.decoding.batched_static import StaticBatchEngine
+from recap_cli.decoding.cost import BatchCost, RowShare, SizeChooser, batch_width
 from recap_cli.drafters import RecapDrafter
-from recap_cli.engine import Engine
+from recap_cli.decoding.engine import Engine
 from recap_cli.records import Request
 from recap_cli.session import Session
-from recap_cli.tree import Tree
+from recap_cli.decoding.tree import Tree
 
 from .conftest import make_image, request
 

@@ -8,7 +8,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from recap_cli import cli
-from recap_cli.batched import Batch
+from recap_cli.decoding.batched import Batch
 from recap_cli.session import Session
 
 from .conftest import make_image

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from recap_cli import cli
 from recap_cli.compare import Measurement, parse_method, quantile, run, summarize
-from recap_cli.engine import Generation
+from recap_cli.decoding.engine import Generation
 from recap_cli.records import Request
 
 from .conftest import make_image

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from recap_cli.cost import StepCost
+from recap_cli.decoding.cost import StepCost
 from recap_cli.drafters import PromptLookupDrafter, RecapDrafter, TokenRecyclingDrafter, make_drafter
 from recap_cli.drafters.memory import KeyedMemory, NgramIndex, TokenTable
 from recap_cli.drafters.tr import LEVEL_SIZES, build_template
-from recap_cli.tree import Rows, Source, Tree, Verified
+from recap_cli.decoding.tree import Rows, Source, Tree, Verified
 
 V = 100
 IMAGE = 99

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recap_cli import compat
+from recap_cli.decoding import compat
 from recap_cli.drafters import Drafter
-from recap_cli.engine import Engine, accept, generate
-from recap_cli.tree import Tree
+from recap_cli.decoding.engine import Engine, accept, generate
+from recap_cli.decoding.tree import Tree
 
 from .conftest import OracleDrafter, request
 

@@ -12,11 +12,11 @@ import importlib.util
 import pytest
 import torch
 
-from recap_cli import compat
+from recap_cli.decoding import compat
 from recap_cli.adapters import Gemma3Adapter
-from recap_cli.engine import Engine
+from recap_cli.decoding.engine import Engine
 from recap_cli.session import Session
-from recap_cli.tree import Tree
+from recap_cli.decoding.tree import Tree
 
 from .conftest import OracleDrafter, request
 from .test_engine import NEW_TOKENS, QUESTIONS, TREES, _any_mismatch, decode, reference

@@ -171,7 +171,7 @@ def test_the_context_cap_holds_prompt_plus_new_tokens_exactly(get_adapter, monke
 def test_accepted_hist_counts_only_emitted_tokens(get_adapter):
     """Deep, always-right trees against a small token limit: the limit cuts the accepted path, and the cut part
     was never emitted. Drafted tokens in the histogram + bonus tokens = new tokens, exactly."""
-    from recap_cli.engine import Engine, generate
+    from recap_cli.decoding.engine import Engine, generate
 
     from .conftest import OracleDrafter, request
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 
-from ..cost import StepCost
-from ..tree import Rows, Tree, Verified
+from ..decoding.cost import StepCost
+from ..decoding.tree import Rows, Tree, Verified
 
 
 class Drafter:

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..tree import Rows
+from ..decoding.tree import Rows
 
 Row = tuple[tuple[int, ...], tuple[float, ...]]
 

@@ -8,7 +8,7 @@ is learned from the verifier's verdicts per (match length, step along the chain)
 
 from __future__ import annotations
 
-from ..tree import Rows, Source, Tree, Verified
+from ..decoding.tree import Rows, Source, Tree, Verified
 from .base import Drafter
 from .calibration import ChainCalibration
 from .memory import NgramIndex

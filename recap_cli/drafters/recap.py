@@ -18,7 +18,7 @@ that followed the longest earlier match of the current suffix in prompt + output
 at its own learned chance, so a continuation that keeps being right earns the depth it pays for.
 
 The tree's size comes from what a step costs (``budget="auto"``, the default): growth stops where expected tokens
-per second (recap_cli/cost.py) can no longer rise, down to the root alone.
+per second (recap_cli/decoding/cost.py) can no longer rise, down to the root alone.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 from operator import itemgetter
 
-from ..tree import Rows, Source, Tree, Verified
+from ..decoding.tree import Rows, Source, Tree, Verified
 from .base import Drafter
 from .calibration import Calibration, ChainCalibration
 from .memory import KeyedMemory, NgramIndex, Row, TokenTable, check_table, row_tuples

@@ -7,13 +7,13 @@ parent's token". The template has 80 nodes + root over 6 levels of 8/21/25/15/8/
 rank r's prior as decaying with r (``RANK_PRIOR``).
 
 ``budget="auto"`` (the ``tr:budget=auto`` variant, not the paper's) keeps the template but cuts it to the size
-with the best expected tokens per second (recap_cli/cost.py), taking each node's path chance as the product of
+with the best expected tokens per second (recap_cli/decoding/cost.py), taking each node's path chance as the product of
 the table's probabilities along it: Token Recycling at equal cost, for a fair comparison with RECAP.
 """
 
 from __future__ import annotations
 
-from ..tree import Rows, Source, Tree, Verified
+from ..decoding.tree import Rows, Source, Tree, Verified
 from .base import Drafter
 from .memory import TokenTable, row_tuples
 

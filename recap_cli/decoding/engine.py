@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..adapters import Adapter, Prompt
 from . import compat
-from .adapters import Adapter, Prompt
 from .cost import SIZES, StepCost
 from .tree import Rows, Source, Tree, Verified
 

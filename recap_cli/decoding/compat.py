@@ -89,7 +89,7 @@ def hub_network_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-# Batched rows (recap_cli/batched.py): one DynamicCache whose batch dimension holds the requests in flight, each
+# Batched rows (recap_cli/decoding/batched.py): one DynamicCache whose batch dimension holds the requests in flight, each
 # row left-aligned (its committed tokens at columns 0..length-1, nothing it may see beyond). Only the per-layer
 # ``keys``/``values`` tensors are touched, so any 5.x DynamicCache works.
 
@@ -173,7 +173,7 @@ def _grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     return out.reshape(b, heads, t, dim).transpose(1, 2).contiguous(), None
 
 
-# The static-shape batched engine (recap_cli/batched_static.py): one StaticCache whose slots are rows.
+# The static-shape batched engine (recap_cli/decoding/batched_static.py): one StaticCache whose slots are rows.
 
 def allocate_static(cache, like, rows: int) -> None:
     """Allocate a static cache's buffers for ``rows`` slots, shaped like the (initialized) cache ``like``."""

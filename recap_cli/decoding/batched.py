@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..adapters import Adapter, Prompt
+from ..drafters import Drafter
 from . import compat
-from .adapters import Adapter, Prompt
 from .cost import BatchCost, RowShare, batch_width
-from .drafters import Drafter
 from .engine import Generation, accept, commit, greedy_and_rows, text_positions
 from .tree import Rows, Source, Tree, Verified
 

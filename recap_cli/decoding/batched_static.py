@@ -15,8 +15,8 @@ import time
 
 import torch
 
+from ..adapters import Adapter, Prompt
 from . import compat
-from .adapters import Adapter, Prompt
 from .batched import BatchEngine, Slot, padded_tree_cells
 from .cost import BatchCost
 from .engine import BUCKETS, bucket

@@ -185,7 +185,7 @@ class BatchCost:
 
 
 class RowShare:
-    """A step's cost as one row of a batch sees it, for sizing that row's tree (recap_cli/batched.py).
+    """A step's cost as one row of a batch sees it, for sizing that row's tree (recap_cli/decoding/batched.py).
 
     Every row's tree is padded to the widest, so a step of B rows at width w costs forward(B, w) plus the
     host's drafting of all rows. Rows draft one after another: the row drafting now sees the step's width so far
