@@ -387,14 +387,14 @@ def _report(totals: Totals, summary: Path | None, stop: int | None, extra: dict 
     else:
         rate = f"{s['tokens_per_s']:.1f} tokens/s"
     rows = f", batch {s['batch']} ({s['mean_occupancy']:.1f} rows in flight)" if s.get("mean_occupancy") else ""
-    info(f"{s['items']} items, {s['errors']} errors, {s['new_tokens']} tokens {rate}, "
-         f"mean accepted {s['mean_accepted']:.2f}{rows}{note}")
+    if s["answered"]:
+        info(f"{s['items']} items, {s['errors']} errors, {s['new_tokens']} tokens {rate}, "
+             f"mean accepted {s['mean_accepted']:.2f}{rows}{note}")
+    else:  # no rates of nothing (an empty resume, every line failed): "0 requests/hour, mean accepted 0.00"
+        info(f"{s['items']} items, {s['errors']} errors: nothing was answered{note}")
     if "workers" in s:
         restarts = f" ({s['restarts']} restarted)" if s["restarts"] else ""
         info(f"{s['workers']} workers{restarts}")
     if summary is not None:
         summary.write_bytes(orjson.dumps({**s, "interrupted": interrupted}, option=orjson.OPT_INDENT_2))
 
-
-def main() -> None:
-    app()

@@ -116,14 +116,15 @@ def extra_summary(outcome: Outcome) -> dict:
     """What a distributed run adds to the summary: wall-clock rates and each worker's own totals."""
     wall = outcome.wall_s
     return {"workers": len(outcome.per_worker), "restarts": outcome.restarts, "wall_s": round(wall, 3),
-            "requests_per_hour": outcome.totals.items * 3600 / wall if wall else 0.0,
+            "requests_per_hour": outcome.totals.answered * 3600 / wall if wall else 0.0,
             "wall_tokens_per_s": outcome.totals.new_tokens / wall if wall else 0.0,
             "per_worker": {w: t.summary() for w, t in sorted(outcome.per_worker.items())}}
 
 
 def worker_lines(outcome: Outcome) -> list[tuple[str, str]]:
     return [(w, f"{s['items']} items, {s['errors']} errors, {s['tokens_per_s']:.1f} tokens/s, "
-                f"mean accepted {s['mean_accepted']:.2f}")
+                f"mean accepted {s['mean_accepted']:.2f}" if s["answered"] else
+                f"{s['items']} items, {s['errors']} errors: nothing answered")
             for w, s in extra_summary(outcome)["per_worker"].items()]
 
 
