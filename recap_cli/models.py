@@ -271,7 +271,30 @@ def load(name: str, device: str = "auto", dtype: str = "auto", attn: str = "sdpa
     except ModelError:
         raise
     except (OSError, ValueError, ImportError) as exc:  # ImportError: a processor's optional package is missing
+        if isinstance(exc, ImportError) and (broken := broken_torchvision()) is not None:
+            raise ModelError(broken) from exc
         raise ModelError(f"could not load model '{name}' ({source}): {first_line(exc)}") from exc
+
+
+def broken_torchvision() -> str | None:
+    """One sentence when torchvision is installed but cannot be imported, else None. A torch/torchvision pair
+    built for each other is needed (a mismatch fails with "operator torchvision::nms does not exist"), and
+    transformers reports it only as "Could not import module 'AutoProcessor'" (it checks that torchvision is
+    installed, not that it imports)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("torchvision")
+    except PackageNotFoundError:
+        return None
+    try:
+        import torchvision  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - RuntimeError (operators missing), ImportError, OSError (libraries)
+        return (f"torchvision {installed} does not work with torch {torch.__version__} (import torchvision: "
+                f"{first_line(exc)}): install a matching pair, e.g. on a CPU-only machine `pip install "
+                "--force-reinstall torch torchvision --index-url https://download.pytorch.org/whl/cpu`, or both "
+                "from the index that matches your CUDA")
+    return None
 
 
 def _load(source: str, device: torch.device, dtype: torch.dtype, attn: str) -> Adapter:
