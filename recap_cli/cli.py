@@ -129,26 +129,29 @@ def run(
         knobs["budget"] = _budget(method, budget)
     if compile not in ("auto", "on", "off"):
         fail("--compile takes auto, on or off")
+    saved = _memory_file(memory, method, memory_cold_on_error)  # a damaged file stops the run before the model loads
     if ray is not None:
         job = dict(model=model, method=method, knobs=knobs, compile=compile, device=device, dtype=dtype, attn=attn,
                    max_new_tokens=max_new_tokens, base=base, batch=batch)
         _run_on_ray(source, job, dict(address=ray, workers=workers, gpus_per_worker=gpus_per_worker,
                                       cpus_per_worker=cpus_per_worker), output, resume, memory, summary, total)
     adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
+    from .batch import Totals, answer_all, run_figures
+    from .models import ModelError
+    from .session import MemoryFileError
+
     batch = batch or default_batch(adapter.device.type)
     try:
         session = _session(adapter, method, knobs, compile == "on" or (compile == "auto" and batch == 1 and
                                                                     adapter.device.type == "cuda"), batch)
     except (ModelError, ValueError) as exc:
         fail(str(exc))
-    if memory is not None and memory.is_file():
+    if saved is not None:
         try:
-            session.load_memory(memory)
+            session.load_memory(memory, saved)  # what needs the model: its fingerprint, the drafter's own payload
+            info(f"warm start: drafter memory loaded from {memory}")
         except MemoryFileError as exc:
-            if not memory_cold_on_error:
-                fail(f"cannot load memory: {exc} (--memory-cold-on-error starts cold and overwrites it)")
-            err.print(f"[yellow]warning:[/] cannot load memory: {exc}; starting cold, the end of the run "
-                      "overwrites it", highlight=False)
+            _memory_failed(exc, memory_cold_on_error)
     skip, unnumbered = records.answered(output) if resume and output is not None else (set(), 0)
     if unnumbered:
         err.print(f"[yellow]warning:[/] {unnumbered} records in {output} carry no line number (an older recap "
@@ -190,6 +193,29 @@ def run(
     if stop is not None:
         raise typer.Exit(stop)
     raise typer.Exit(EXIT_FAILED_RECORDS if totals.errors else EXIT_OK)
+
+
+def _memory_file(memory: Path | None, method: str, cold_on_error: bool) -> dict | None:
+    """The --memory file read and checked as far as no model is needed; None: start cold (no file yet, a method
+    that keeps nothing across requests, or a damaged file with --memory-cold-on-error)."""
+    if memory is None or not memory.is_file():
+        return None
+    from .session import MemoryFileError, keeps_memory, read_memory
+
+    if not keeps_memory(method):
+        return None
+    try:
+        return read_memory(memory, method)
+    except MemoryFileError as exc:
+        _memory_failed(exc, cold_on_error)
+    return None
+
+
+def _memory_failed(exc: Exception, cold_on_error: bool) -> None:
+    if not cold_on_error:
+        fail(f"cannot load memory: {exc} (--memory-cold-on-error starts cold and overwrites it)")
+    err.print(f"[yellow]warning:[/] cannot load memory: {exc}; starting cold, the end of the run overwrites it",
+              highlight=False)
 
 
 def _check_paths(inputs: str, **targets: Path | None) -> None:
@@ -315,19 +341,14 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
 
 
 def _session(adapter, method: str, knobs: dict, compiled: bool, batch: int = 1) -> Session:
-    """The run's session; with ``compiled``, every step shape is compiled up front, and a failure to compile
-    falls back to eager decoding (the fast path must never cost a user the run)."""
-    if not compiled:
-        return Session(adapter, method, batch=batch, **knobs)
-    try:
-        session = Session(adapter, method, static=True, compile=True, batch=batch, **knobs)
-        seconds = session.warm_up([records.as_parts(records.user_message("Hello.", False))], [])
-    except Exception as exc:  # noqa: BLE001 - see the docstring
-        err.print(f"[yellow]warning:[/] compiling the decoding steps failed ({type(exc).__name__}: "
-                  f"{records.first_line(exc)}); decoding eagerly")
-        return Session(adapter, method, batch=batch, **knobs)
-    info(f"compiled the decoding steps in {seconds:.1f} s (once per run)")
-    return session
+    """The run's session (compiled when asked, eager if compiling fails); its warnings and info lines go to stderr."""
+    from .session import start_session
+
+    return start_session(adapter, method, knobs, compiled, batch, warn=_warn, info=info)
+
+
+def _warn(message: str) -> None:
+    err.print(f"[yellow]warning:[/] {escape(message)}", highlight=False)
 
 
 def _open_inputs(inputs: str) -> tuple[IO[bytes], Path, int | None]:
