@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO, TYPE_CHECKING, Optional
 
 import orjson
 import typer
@@ -15,13 +17,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import compare as comparison
 from . import records, report, safety
-from .batch import Totals, answer_all, run_figures
-from .decoding.batched import DEFAULT_BATCH, default_batch
-from .drafters import METHODS
-from .models import FAMILIES, ModelError, load, locate, on_disk
-from .session import MemoryFileError, Session
+from .options import DEFAULT_BATCH, METHODS, default_batch
+from .registry import FAMILIES, on_disk
+
+# torch and transformers take seconds to import: the modules that need them (models, session, batch, compare) are
+# imported where a command first needs them, so --help, `recap models` and usage errors answer at once.
+if TYPE_CHECKING:
+    from .batch import Totals
+    from .session import Session
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Lossless speculative decoding for image captioning and VQA with vision-language models.")
@@ -45,21 +49,45 @@ def info(message: str) -> None:
         err.print(message, highlight=False)
 
 
+def _interruptible(command):
+    """Ctrl-C (or SIGTERM) where a command does not handle it itself (imports, model loading, start-up) ends it
+    with one line and exit code 130 (143), not click's "Aborted!" and exit code 1 (which means failed records)."""
+
+    @functools.wraps(command)
+    def guarded(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except KeyboardInterrupt as exc:
+            terminated = isinstance(exc, safety.Terminated)
+            err.print("terminated" if terminated else "interrupted", highlight=False)
+            raise typer.Exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED) from None
+
+    return guarded
+
+
 def _set_output(quiet: bool) -> None:
     """stderr as this command finds it (a terminal or not), and --quiet, which also silences transformers'
     warnings (its errors still print)."""
     global err, _quiet
     err, _quiet = report.console(), quiet
-    if quiet:
+    if quiet and "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
+    elif quiet:  # read when transformers sets up its logging, on first import (not before it is needed)
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+
+
+MODEL_COLUMNS = ("name", "family", "size", "source", "state", "size on disk")
 
 
 @app.command()
+@_interruptible
 def models() -> None:
     """List the short model names recap knows, their family and size, and whether each is on disk (tab-separated:
-    name, family, size, source, state, size on disk). Any hub repo id or local model directory works too."""
+    name, family, size, source, state, size on disk; the header goes to stderr, so stdout is rows only). Any hub
+    repo id or local model directory works too."""
+    print("\t".join(MODEL_COLUMNS), file=sys.stderr)
     for alias, source, state, size in on_disk():
         family, params = FAMILIES.get(alias, ("?", "?"))
         print(f"{alias}\t{family}\t{params}\t{source}\t{state}\t{_size(size)}")
@@ -72,6 +100,7 @@ def _size(n: int | None) -> str:
 
 
 @app.command()
+@_interruptible
 def run(
     inputs: str = typer.Argument(..., help="JSONL file of requests, or - for stdin"),
     model: str = typer.Option("demo", "--model", "-m", help="short name, hub repo id or local directory"),
@@ -229,6 +258,7 @@ def _check_paths(inputs: str, **targets: Path | None) -> None:
 
 
 @app.command()
+@_interruptible
 def compare(
     inputs: list[Path] = typer.Argument(..., help="JSONL files; each is a dataset unless records name one"),
     baseline: str = typer.Option("ar", help="the method speedups are measured against"),
@@ -254,6 +284,8 @@ def compare(
 
     stdout gets one JSON line per (input, method) measurement; the tables go to stderr."""
     _set_output(quiet)
+    from . import compare as comparison
+
     labels = list(dict.fromkeys([baseline] + [m.strip() for m in methods.split(",") if m.strip()]))
     try:
         for label in labels:
@@ -274,7 +306,7 @@ def compare(
     with _progress(len(requests)) as progress:
         task = progress.add_task("comparing", total=len(requests))
 
-        def emit(batch: list[comparison.Measurement]) -> None:
+        def emit(batch: list) -> None:
             for row in comparison.rows_as_dicts(batch):
                 _write(sys.stdout.buffer, row)
             progress.advance(task)
@@ -300,6 +332,8 @@ def compare(
 def _loaded(model: str, offline: bool, **how):
     """The model's adapter, downloaded first when the cache lacks it (huggingface_hub's bars on a terminal),
     then loaded as a progress stage."""
+    from .models import ModelError, load, locate
+
     try:
         path = locate(model, offline=offline, progress=err.is_terminal and not _quiet, notify=info)
         with _progress(None) as progress:
@@ -374,8 +408,10 @@ def _recap_knobs(method: str, **given) -> dict:
 
 
 def _budget(method: str, value: str) -> int | str:
+    from .compare import parse_budget
+
     try:
-        return comparison.parse_budget(method, value)
+        return parse_budget(method, value)
     except ValueError as exc:
         fail(f"--budget: {exc}")
 
