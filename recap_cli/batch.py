@@ -40,9 +40,14 @@ class Totals:
         self.emitted_in_steps += record["new_tokens"] - record["turns"]  # each turn's first token is prefill's
         self.by_source.update(record["tokens_by_source"])
 
+    @property
+    def answered(self) -> int:
+        """Items that got an answer (error records are items too, but no work a rate should count)."""
+        return self.items - self.errors
+
     def summary(self) -> dict:
         return {
-            "items": self.items, "errors": self.errors, "new_tokens": self.new_tokens,
+            "items": self.items, "errors": self.errors, "answered": self.answered, "new_tokens": self.new_tokens,
             "tokens_per_s": self.new_tokens / self.seconds if self.seconds else 0.0,
             "mean_accepted": self.emitted_in_steps / self.steps if self.steps else 0.0,
             "tokens_by_source": dict(self.by_source),
@@ -50,10 +55,11 @@ class Totals:
 
 
 def run_figures(totals: Totals, wall_s: float, batch: int, occupancy: float | None) -> dict:
-    """What people captioning a folder measure: requests per hour and tokens per second of wall time, and how
-    full the batch was (mean rows per step; None at batch 1)."""
+    """What people captioning a folder measure: answered requests per hour (a failed line costs next to nothing and
+    is no answer) and tokens per second of wall time, and how full the batch was (mean rows per step; None at
+    batch 1)."""
     return {"batch": batch, "wall_s": wall_s, "mean_occupancy": occupancy,
-            "requests_per_hour": 3600 * totals.items / wall_s if wall_s else 0.0,
+            "requests_per_hour": 3600 * totals.answered / wall_s if wall_s else 0.0,
             "wall_tokens_per_s": totals.new_tokens / wall_s if wall_s else 0.0}
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO, TYPE_CHECKING, Optional
 
 import orjson
 import typer
@@ -15,13 +17,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import compare as comparison
 from . import records, report, safety
-from .batch import Totals, answer_all, run_figures
-from .decoding.batched import DEFAULT_BATCH, default_batch
-from .drafters import METHODS
-from .models import FAMILIES, ModelError, load, locate, on_disk
-from .session import MemoryFileError, Session
+from .options import DEFAULT_BATCH, METHODS, default_batch
+from .registry import FAMILIES, on_disk
+
+# torch and transformers take seconds to import: the modules that need them (models, session, batch, compare) are
+# imported where a command first needs them, so --help, `recap models` and usage errors answer at once.
+if TYPE_CHECKING:
+    from .batch import Totals
+    from .session import Session
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Lossless speculative decoding for image captioning and VQA with vision-language models.")
@@ -45,21 +49,45 @@ def info(message: str) -> None:
         err.print(message, highlight=False)
 
 
+def _interruptible(command):
+    """Ctrl-C (or SIGTERM) where a command does not handle it itself (imports, model loading, start-up) ends it
+    with one line and exit code 130 (143), not click's "Aborted!" and exit code 1 (which means failed records)."""
+
+    @functools.wraps(command)
+    def guarded(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except KeyboardInterrupt as exc:
+            terminated = isinstance(exc, safety.Terminated)
+            err.print("terminated" if terminated else "interrupted", highlight=False)
+            raise typer.Exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED) from None
+
+    return guarded
+
+
 def _set_output(quiet: bool) -> None:
     """stderr as this command finds it (a terminal or not), and --quiet, which also silences transformers'
     warnings (its errors still print)."""
     global err, _quiet
     err, _quiet = report.console(), quiet
-    if quiet:
+    if quiet and "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
+    elif quiet:  # read when transformers sets up its logging, on first import (not before it is needed)
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+
+
+MODEL_COLUMNS = ("name", "family", "size", "source", "state", "size on disk")
 
 
 @app.command()
+@_interruptible
 def models() -> None:
     """List the short model names recap knows, their family and size, and whether each is on disk (tab-separated:
-    name, family, size, source, state, size on disk). Any hub repo id or local model directory works too."""
+    name, family, size, source, state, size on disk; the header goes to stderr, so stdout is rows only). Any hub
+    repo id or local model directory works too."""
+    print("\t".join(MODEL_COLUMNS), file=sys.stderr)
     for alias, source, state, size in on_disk():
         family, params = FAMILIES.get(alias, ("?", "?"))
         print(f"{alias}\t{family}\t{params}\t{source}\t{state}\t{_size(size)}")
@@ -72,6 +100,7 @@ def _size(n: int | None) -> str:
 
 
 @app.command()
+@_interruptible
 def run(
     inputs: str = typer.Argument(..., help="JSONL file of requests, or - for stdin"),
     model: str = typer.Option("demo", "--model", "-m", help="short name, hub repo id or local directory"),
@@ -129,26 +158,29 @@ def run(
         knobs["budget"] = _budget(method, budget)
     if compile not in ("auto", "on", "off"):
         fail("--compile takes auto, on or off")
+    saved = _memory_file(memory, method, memory_cold_on_error)  # a damaged file stops the run before the model loads
     if ray is not None:
         job = dict(model=model, method=method, knobs=knobs, compile=compile, device=device, dtype=dtype, attn=attn,
                    max_new_tokens=max_new_tokens, base=base, batch=batch)
         _run_on_ray(source, job, dict(address=ray, workers=workers, gpus_per_worker=gpus_per_worker,
                                       cpus_per_worker=cpus_per_worker), output, resume, memory, summary, total)
     adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
+    from .batch import Totals, answer_all, run_figures
+    from .models import ModelError
+    from .session import MemoryFileError
+
     batch = batch or default_batch(adapter.device.type)
     try:
         session = _session(adapter, method, knobs, compile == "on" or (compile == "auto" and batch == 1 and
                                                                     adapter.device.type == "cuda"), batch)
     except (ModelError, ValueError) as exc:
         fail(str(exc))
-    if memory is not None and memory.is_file():
+    if saved is not None:
         try:
-            session.load_memory(memory)
+            session.load_memory(memory, saved)  # what needs the model: its fingerprint, the drafter's own payload
+            info(f"warm start: drafter memory loaded from {memory}")
         except MemoryFileError as exc:
-            if not memory_cold_on_error:
-                fail(f"cannot load memory: {exc} (--memory-cold-on-error starts cold and overwrites it)")
-            err.print(f"[yellow]warning:[/] cannot load memory: {exc}; starting cold, the end of the run "
-                      "overwrites it", highlight=False)
+            _memory_failed(exc, memory_cold_on_error)
     skip, unnumbered = records.answered(output) if resume and output is not None else (set(), 0)
     if unnumbered:
         err.print(f"[yellow]warning:[/] {unnumbered} records in {output} carry no line number (an older recap "
@@ -192,6 +224,29 @@ def run(
     raise typer.Exit(EXIT_FAILED_RECORDS if totals.errors else EXIT_OK)
 
 
+def _memory_file(memory: Path | None, method: str, cold_on_error: bool) -> dict | None:
+    """The --memory file read and checked as far as no model is needed; None: start cold (no file yet, a method
+    that keeps nothing across requests, or a damaged file with --memory-cold-on-error)."""
+    if memory is None or not memory.is_file():
+        return None
+    from .session import MemoryFileError, keeps_memory, read_memory
+
+    if not keeps_memory(method):
+        return None
+    try:
+        return read_memory(memory, method)
+    except MemoryFileError as exc:
+        _memory_failed(exc, cold_on_error)
+    return None
+
+
+def _memory_failed(exc: Exception, cold_on_error: bool) -> None:
+    if not cold_on_error:
+        fail(f"cannot load memory: {exc} (--memory-cold-on-error starts cold and overwrites it)")
+    err.print(f"[yellow]warning:[/] cannot load memory: {exc}; starting cold, the end of the run overwrites it",
+              highlight=False)
+
+
 def _check_paths(inputs: str, **targets: Path | None) -> None:
     """Refuse, before the model loads, every path the run would write but cannot, or must not (the input)."""
     named = {f"--{flag}" if flag != "output" else "-o": path for flag, path in targets.items()}
@@ -203,6 +258,7 @@ def _check_paths(inputs: str, **targets: Path | None) -> None:
 
 
 @app.command()
+@_interruptible
 def compare(
     inputs: list[Path] = typer.Argument(..., help="JSONL files; each is a dataset unless records name one"),
     baseline: str = typer.Option("ar", help="the method speedups are measured against"),
@@ -228,6 +284,8 @@ def compare(
 
     stdout gets one JSON line per (input, method) measurement; the tables go to stderr."""
     _set_output(quiet)
+    from . import compare as comparison
+
     labels = list(dict.fromkeys([baseline] + [m.strip() for m in methods.split(",") if m.strip()]))
     try:
         for label in labels:
@@ -248,7 +306,7 @@ def compare(
     with _progress(len(requests)) as progress:
         task = progress.add_task("comparing", total=len(requests))
 
-        def emit(batch: list[comparison.Measurement]) -> None:
+        def emit(batch: list) -> None:
             for row in comparison.rows_as_dicts(batch):
                 _write(sys.stdout.buffer, row)
             progress.advance(task)
@@ -274,6 +332,8 @@ def compare(
 def _loaded(model: str, offline: bool, **how):
     """The model's adapter, downloaded first when the cache lacks it (huggingface_hub's bars on a terminal),
     then loaded as a progress stage."""
+    from .models import ModelError, load, locate
+
     try:
         path = locate(model, offline=offline, progress=err.is_terminal and not _quiet, notify=info)
         with _progress(None) as progress:
@@ -315,19 +375,14 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
 
 
 def _session(adapter, method: str, knobs: dict, compiled: bool, batch: int = 1) -> Session:
-    """The run's session; with ``compiled``, every step shape is compiled up front, and a failure to compile
-    falls back to eager decoding (the fast path must never cost a user the run)."""
-    if not compiled:
-        return Session(adapter, method, batch=batch, **knobs)
-    try:
-        session = Session(adapter, method, static=True, compile=True, batch=batch, **knobs)
-        seconds = session.warm_up([records.as_parts(records.user_message("Hello.", False))], [])
-    except Exception as exc:  # noqa: BLE001 - see the docstring
-        err.print(f"[yellow]warning:[/] compiling the decoding steps failed ({type(exc).__name__}: "
-                  f"{records.first_line(exc)}); decoding eagerly")
-        return Session(adapter, method, batch=batch, **knobs)
-    info(f"compiled the decoding steps in {seconds:.1f} s (once per run)")
-    return session
+    """The run's session (compiled when asked, eager if compiling fails); its warnings and info lines go to stderr."""
+    from .session import start_session
+
+    return start_session(adapter, method, knobs, compiled, batch, warn=_warn, info=info)
+
+
+def _warn(message: str) -> None:
+    err.print(f"[yellow]warning:[/] {escape(message)}", highlight=False)
 
 
 def _open_inputs(inputs: str) -> tuple[IO[bytes], Path, int | None]:
@@ -353,8 +408,10 @@ def _recap_knobs(method: str, **given) -> dict:
 
 
 def _budget(method: str, value: str) -> int | str:
+    from .compare import parse_budget
+
     try:
-        return comparison.parse_budget(method, value)
+        return parse_budget(method, value)
     except ValueError as exc:
         fail(f"--budget: {exc}")
 
@@ -387,14 +444,14 @@ def _report(totals: Totals, summary: Path | None, stop: int | None, extra: dict 
     else:
         rate = f"{s['tokens_per_s']:.1f} tokens/s"
     rows = f", batch {s['batch']} ({s['mean_occupancy']:.1f} rows in flight)" if s.get("mean_occupancy") else ""
-    info(f"{s['items']} items, {s['errors']} errors, {s['new_tokens']} tokens {rate}, "
-         f"mean accepted {s['mean_accepted']:.2f}{rows}{note}")
+    if s["answered"]:
+        info(f"{s['items']} items, {s['errors']} errors, {s['new_tokens']} tokens {rate}, "
+             f"mean accepted {s['mean_accepted']:.2f}{rows}{note}")
+    else:  # no rates of nothing (an empty resume, every line failed): "0 requests/hour, mean accepted 0.00"
+        info(f"{s['items']} items, {s['errors']} errors: nothing was answered{note}")
     if "workers" in s:
         restarts = f" ({s['restarts']} restarted)" if s["restarts"] else ""
         info(f"{s['workers']} workers{restarts}")
     if summary is not None:
         summary.write_bytes(orjson.dumps({**s, "interrupted": interrupted}, option=orjson.OPT_INDENT_2))
 
-
-def main() -> None:
-    app()

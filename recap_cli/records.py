@@ -11,12 +11,13 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from .adapters import Message
+if TYPE_CHECKING:  # a type only: importing adapters would load torch, which `recap --help` must not wait for
+    from .adapters import Message
 
 CAPTION_PROMPT = "Describe this image in detail."
 MAX_IMAGE_PIXELS = 40_000_000

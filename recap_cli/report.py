@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import IO
 
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 from rich.console import Console
 from rich.table import Table
 
@@ -47,10 +47,28 @@ def table(summary: dict, baseline: str, console: Console) -> None:
         for method, s in methods.items():
             t.add_row(method, *(_fmt(k, s.get(k)) for _, k in COLUMNS))
         console.print(t)
+        for note in blank_notes(methods):
+            console.print(note, highlight=False, markup=False)
         for method, s in methods.items():
             if s["mismatches"]:
                 console.print(f"[yellow]{method}: tokens differ from {baseline} on {len(s['mismatches'])} "
                               f"input(s): {', '.join(s['mismatches'][:20])}[/]")
+
+
+def blank_notes(methods: dict) -> list[str]:
+    """What a "–" in a dataset's table means: a row of nothing but "–" is a method with no input to measure; a
+    few are columns the method has no figure for."""
+    notes, partly = [], False
+    for method, s in methods.items():
+        if _fmt("mean_speedup", s.get("mean_speedup")) == "–":  # no input timed against the baseline's
+            why = (f"it failed on all {s['inputs']} inputs" if s.get("inputs") and s.get("errors") == s["inputs"]
+                   else "no input that it and the baseline both answered")
+            notes.append(f"{method}: no figures, {why} (its error records are on stdout and in --json)")
+        elif any(_fmt(k, s.get(k)) == "–" for _, k in COLUMNS):
+            partly = True
+    if partly:
+        notes.append("–: no figure for that column (generate() methods take no verification steps to count)")
+    return notes
 
 
 def markdown(summary: dict, baseline: str, header: str = "") -> str:
@@ -63,6 +81,8 @@ def markdown(summary: dict, baseline: str, header: str = "") -> str:
             lines.append(f"| {method} | " + " | ".join(_fmt(k, s.get(k)) for _, k in COLUMNS) + " |")
         bad = {m: s["mismatches"] for m, s in methods.items() if s["mismatches"]}
         lines.append("")
+        if notes := blank_notes(methods):
+            lines += [f"- {note}" for note in notes] + [""]
         for method, ids in bad.items():
             lines.append(f"- `{method}` differs from `{baseline}` on: {', '.join(ids)}")
         if bad:
@@ -70,14 +90,19 @@ def markdown(summary: dict, baseline: str, header: str = "") -> str:
     return "\n".join(lines)
 
 
+FONT_SIZE = 14  # Pillow's default font at its default 10 px draws spaces 3 px wide: "per-input speedup" ran together
+
+
 def plot(summary: dict, path: Path, width: int = 900, row_h: int = 34) -> None:
     """One row per (dataset, method): every per-input speedup as a dot, the p10-p90 range as a bar, the median
-    as a tick; the dashed line marks 1× (the baseline)."""
-    rows = [(f"{d} · {m}", s["speedups"], s) for d, ms in summary.items() for m, s in ms.items()]
+    as a tick; the dashed line marks 1× (the baseline). The label column is as wide as the longest label."""
+    rows = [(label(d, m), s["speedups"], s) for d, ms in summary.items() for m, s in ms.items()]
     values = [v for _, sp, _ in rows for v in sp] or [1.0]
     lo, hi = min(0.5, min(values) * 0.95), max(2.0, max(values) * 1.05)
-    left, right, top = 230, 30, 30
-    img = Image.new("RGB", (width, top + row_h * len(rows) + 40), "white")
+    font = ImageFont.load_default(size=FONT_SIZE)
+    left, right, top = label_width(rows, font), 30, 34
+    img = Image.new("RGB", (max(width, left + 400), top + row_h * len(rows) + 40), "white")
+    width = img.width
     draw = ImageDraw.Draw(img)
 
     def x(v: float) -> float:
@@ -85,20 +110,35 @@ def plot(summary: dict, path: Path, width: int = 900, row_h: int = 34) -> None:
 
     for tick in _ticks(lo, hi):
         draw.line([(x(tick), top - 5), (x(tick), top + row_h * len(rows))], fill=(225, 225, 225))
-        draw.text((x(tick) - 10, top + row_h * len(rows) + 8), f"{tick:g}x", fill="black")
+        draw.text((x(tick) - 10, top + row_h * len(rows) + 8), f"{tick:g}x", fill="black", font=font)
     for y0 in range(top, top + row_h * len(rows), 6):
         draw.line([(x(1.0), y0), (x(1.0), y0 + 3)], fill=(200, 0, 0))
-    for i, (label, speedups, s) in enumerate(rows):
+    for i, (text, speedups, s) in enumerate(rows):
         y = top + row_h * i + row_h // 2
-        draw.text((8, y - 6), label[:34], fill="black")
+        draw.text((LABEL_X, y - FONT_SIZE // 2), text, fill="black", font=font)
         if not speedups:
+            draw.text((left, y - FONT_SIZE // 2), "no figures: no input answered", fill=(120, 120, 120), font=font)
             continue
         draw.rectangle([x(s["p10"]), y - 6, x(s["p90"]), y + 6], fill=(205, 220, 245))
         for v in speedups:
             draw.ellipse([x(v) - 2, y - 2, x(v) + 2, y + 2], fill=(40, 80, 160))
         draw.line([(x(s["p50"]), y - 9), (x(s["p50"]), y + 9)], fill="black", width=2)
-    draw.text((left, 8), "per-input speedup (dots), p10-p90 (bar), median (tick)", fill="black")
+    draw.text((LABEL_X, 8), "per-input speedup over the baseline: dots are inputs, the bar spans p10-p90, the tick is "
+              "the median", fill="black", font=font)
     img.save(path)
+
+
+LABEL_X = 8
+
+
+def label(dataset: str, method: str) -> str:
+    return f"{dataset} · {method}"
+
+
+def label_width(rows: list, font: ImageFont.FreeTypeFont) -> int:
+    """Where the plot starts: after the longest label, whole (a fixed 230 px cut "recap:mixing=fixed" short)."""
+    widest = max((font.getlength(text) for text, *_ in rows), default=0)
+    return LABEL_X + math.ceil(widest) + 16
 
 
 def _ticks(lo: float, hi: float) -> list[float]:

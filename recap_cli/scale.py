@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -116,14 +117,15 @@ def extra_summary(outcome: Outcome) -> dict:
     """What a distributed run adds to the summary: wall-clock rates and each worker's own totals."""
     wall = outcome.wall_s
     return {"workers": len(outcome.per_worker), "restarts": outcome.restarts, "wall_s": round(wall, 3),
-            "requests_per_hour": outcome.totals.items * 3600 / wall if wall else 0.0,
+            "requests_per_hour": outcome.totals.answered * 3600 / wall if wall else 0.0,
             "wall_tokens_per_s": outcome.totals.new_tokens / wall if wall else 0.0,
             "per_worker": {w: t.summary() for w, t in sorted(outcome.per_worker.items())}}
 
 
 def worker_lines(outcome: Outcome) -> list[tuple[str, str]]:
     return [(w, f"{s['items']} items, {s['errors']} errors, {s['tokens_per_s']:.1f} tokens/s, "
-                f"mean accepted {s['mean_accepted']:.2f}")
+                f"mean accepted {s['mean_accepted']:.2f}" if s["answered"] else
+                f"{s['items']} items, {s['errors']} errors: nothing answered")
             for w, s in extra_summary(outcome)["per_worker"].items()]
 
 
@@ -213,6 +215,11 @@ def _setup_error(exc: BaseException) -> str | None:
     return text[at + len(marker):].splitlines()[0] if at >= 0 else None
 
 
+def _say(message: str) -> None:
+    """A worker's note for people (a compile that fell back to eager): its stderr, which Ray shows on the driver."""
+    print(message, file=sys.stderr, flush=True)
+
+
 class WorkerSetupError(Exception):
     """A worker could not load the model or its memory: the same on every worker, so the run stops."""
 
@@ -221,8 +228,8 @@ class Worker:
     """One recap session in one Ray actor: the model is loaded once, the session lives as long as the actor."""
 
     def __init__(self, job: Job, collector):
-        from .cli import _session
         from .models import ModelError, load
+        from .session import start_session
 
         self.job, self.collector = job, collector
         self.id = ray.get_runtime_context().get_actor_id()[:8]  # the actor's own part; a restart keeps it
@@ -231,7 +238,7 @@ class Worker:
             adapter = load(job.model, device=job.device, dtype=job.dtype, attn=job.attn)
             batch = job.batch or default_batch(adapter.device.type)
             compiled = job.compile == "on" or (job.compile == "auto" and batch == 1 and adapter.device.type == "cuda")
-            self.session = _session(adapter, job.method, job.knobs, compiled, batch)
+            self.session = start_session(adapter, job.method, job.knobs, compiled, batch, warn=_say, info=_say)
         except (ModelError, ValueError) as exc:
             raise WorkerSetupError(str(exc)) from None
         # A restarted worker picks up the memory its last life sent; a new one starts from --memory's.

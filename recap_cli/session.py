@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import glob
+import logging
 import os
+import pickle
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,9 +19,10 @@ from .decoding.batched import Batch, BatchEngine
 from .decoding.batched_static import StaticBatchEngine
 from .drafters import Drafter, make_drafter
 from .decoding.engine import Engine, Generation, generate
-from .records import first_line
+from .records import as_parts, first_line, user_message
 
 MEMORY_FORMAT, MEMORY_VERSION = "recap-memory", 2
+log = logging.getLogger(__name__)
 
 
 class MemoryFileError(ValueError):
@@ -98,24 +102,13 @@ class Session:
             tmp.unlink(missing_ok=True)
         return True
 
-    def load_memory(self, path: Path) -> None:
-        """Bring back a saved state, or raise MemoryFileError saying what is wrong; nothing changes on failure."""
+    def load_memory(self, path: Path, saved: dict | None = None) -> None:
+        """Bring back a saved state, or raise MemoryFileError saying what is wrong; nothing changes on failure.
+        ``saved``: what ``read_memory`` already read from ``path`` (the command line checks the file before the
+        model loads); only the model's fingerprint and the drafter's own payload are left to check."""
         if type(self.drafter).state is Drafter.state:  # a method that keeps nothing across requests
             return
-        try:
-            saved = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - empty, truncated, random bytes, pickles of other things
-            raise MemoryFileError(f"{path} is not a recap memory file ({type(exc).__name__}: "
-                                  f"{first_line(exc)})") from exc
-        if not isinstance(saved, dict) or saved.get("format") != MEMORY_FORMAT:
-            old = isinstance(saved, dict) and {"ids", "probs"} <= set(saved)
-            raise MemoryFileError(f"{path} was written by an older recap (order-1 table only, no format version)"
-                                  if old else f"{path} is not a recap memory file")
-        if saved.get("version") != MEMORY_VERSION:
-            raise MemoryFileError(f"{path} has memory format version {saved.get('version')!r}; this recap reads "
-                                  f"version {MEMORY_VERSION}")
-        if saved.get("method") != self.method:
-            raise MemoryFileError(f"{path} was saved by --method {saved.get('method')}, not {self.method}")
+        saved = read_memory(path, self.method) if saved is None else saved
         if saved.get("model") != self._fingerprint():
             raise MemoryFileError(f"{path} was saved for model {saved.get('model')}, not {self._fingerprint()}")
         try:
@@ -126,6 +119,51 @@ class Session:
     def _fingerprint(self) -> str:
         """Memories hold token ids: they only mean something to a model with the same architecture and vocabulary."""
         return f"{self.adapter.model.config.model_type}/{self.adapter.vocab_size}"
+
+
+def read_memory(path: Path, method: str) -> dict:
+    """A --memory file's contents, checked as far as no model is needed (readable, a recap memory, this version,
+    saved by ``method``), or MemoryFileError: a damaged file stops a run before the model loads."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:  # torch's message advises weights_only=False: never for a memory file
+        raise MemoryFileError(f"{path} is not a recap memory file (it holds Python objects other than tensors and "
+                              "plain data)") from exc
+    except Exception as exc:  # noqa: BLE001 - empty, truncated, random bytes, a folder, ...
+        raise MemoryFileError(f"{path} is not a recap memory file ({type(exc).__name__}: "
+                              f"{first_line(exc)})") from exc
+    if not isinstance(saved, dict) or saved.get("format") != MEMORY_FORMAT:
+        old = isinstance(saved, dict) and {"ids", "probs"} <= set(saved)
+        raise MemoryFileError(f"{path} was written by an older recap (order-1 table only, no format version)"
+                              if old else f"{path} is not a recap memory file")
+    if saved.get("version") != MEMORY_VERSION:
+        raise MemoryFileError(f"{path} has memory format version {saved.get('version')!r}; this recap reads "
+                              f"version {MEMORY_VERSION}")
+    if saved.get("method") != method:
+        raise MemoryFileError(f"{path} was saved by --method {saved.get('method')}, not {method}")
+    return saved
+
+
+def keeps_memory(method: str) -> bool:
+    """Whether ``method``'s drafter has anything for --memory to save (``ar`` keeps nothing across requests)."""
+    return type(make_drafter(method, vocab_size=2)).state is not Drafter.state
+
+
+def start_session(adapter: Adapter, method: str, knobs: dict, compiled: bool, batch: int = 1,
+                  warn: Callable[[str], None] = log.warning, info: Callable[[str], None] = log.info) -> Session:
+    """The session of a run (the command line's and every Ray worker's); with ``compiled``, every step shape is
+    compiled up front, and a failure to compile falls back to eager decoding (the fast path must never cost a
+    user the run). ``warn`` and ``info`` hear what people should know about it."""
+    if not compiled:
+        return Session(adapter, method, batch=batch, **knobs)
+    try:
+        session = Session(adapter, method, static=True, compile=True, batch=batch, **knobs)
+        seconds = session.warm_up([as_parts(user_message("Hello.", False))], [])
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        warn(f"compiling the decoding steps failed ({type(exc).__name__}: {first_line(exc)}); decoding eagerly")
+        return Session(adapter, method, batch=batch, **knobs)
+    info(f"compiled the decoding steps in {seconds:.1f} s (once per run)")
+    return session
 
 
 def max_positions(adapter: Adapter) -> int | None:

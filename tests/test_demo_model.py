@@ -41,7 +41,7 @@ GOLDEN_KINDS = ("colour", "count", "position", "sign", "chart", "place")
 
 
 def test_golden_answers(demo):
-    truth = _truth(SAMPLES / "requests.truth.jsonl")
+    truth = _truth(SAMPLES / "truth" / "requests.jsonl")
     requests = {r.id: r for r in _requests(SAMPLES / "requests.jsonl")}
     picked = {}
     for rid, row in truth.items():
@@ -79,7 +79,7 @@ def test_quick_start_runs_with_the_default_model(tmp_path):
     result = CliRunner().invoke(cli.app, ["run", str(SAMPLES / "requests.jsonl"), "-o", str(out)])
     assert result.exit_code == 0, result.output
     records = [orjson.loads(line) for line in out.read_bytes().splitlines()]
-    truth = _truth(SAMPLES / "requests.truth.jsonl")
+    truth = _truth(SAMPLES / "truth" / "requests.jsonl")
     assert [r["id"] for r in records] == list(truth)
     assert all(r["error"] is None and r["model"] == "demo" and r["mean_accepted"] >= 1 for r in records)
     right = sum(r.get("answers", [r["answer"]]) == truth[r["id"]]["answers"] for r in records)

@@ -106,3 +106,25 @@ def test_training_tokenizer_is_the_shipped_one(tok):
     shipped = json.loads((DEMO_MODEL / "tokenizer.json").read_text())["model"]
     built = json.loads(tok.backend_tokenizer.to_str())["model"]
     assert built["vocab"] == shipped["vocab"] and built["merges"] == shipped["merges"]
+
+
+def test_bench_globs_match_request_files_only(tmp_path):
+    """`sample_inputs/bench/demo_*.jsonl` (what the docs feed `recap compare` and `recap run`) is requests only:
+    the true answers live in truth/ under the same names, committed and freshly written alike."""
+    from pathlib import Path
+
+    import orjson
+
+    from recap_cli.demo import samples
+
+    samples.bench_sets(tmp_path, n=3)
+    committed = Path(__file__).resolve().parents[1] / "sample_inputs" / "bench"
+    for base in (committed, tmp_path):
+        found = sorted(base.glob("demo_*.jsonl"))
+        assert found and all((base / "truth" / p.name).is_file() for p in found), base
+        for path in found:
+            rows = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+            assert rows and all("image" in r and "answers" not in r for r in rows), path
+            truth = [orjson.loads(line) for line in (base / "truth" / path.name).read_bytes().splitlines()]
+            assert [t["id"] for t in truth] == [r["id"] for r in rows]
+    assert not list(committed.parent.glob("**/*.truth.jsonl"))

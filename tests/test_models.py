@@ -151,3 +151,47 @@ def test_every_registry_name_has_a_supported_family():
     assert {family for family, _ in FAMILIES.values()} - {"llama"} <= set(ADAPTERS)
     assert resolve("qwen3-vl-8b") == "Qwen/Qwen3-VL-8B-Instruct"
     assert resolve("gemma-3-4b") == "google/gemma-3-4b-it"
+
+
+# --- a torch/torchvision pair that does not match ---------------------------------------------------------------
+
+class BrokenTorchvision:
+    """An import hook standing in for a torchvision built against another torch: importing it fails the way such a
+    pair does (no real mismatched install needed)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision" or name.startswith("torchvision."):
+            raise RuntimeError("operator torchvision::nms does not exist")
+        return None
+
+
+def processor_that_needs_torchvision(*args, **kwargs):
+    """transformers' AutoProcessor for Qwen2.5-VL imports its video processor, which imports torchvision; when
+    that fails, all transformers says is that it could not import AutoProcessor."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        raise ModuleNotFoundError("Could not import module 'AutoProcessor'. Are this object's requirements defined "
+                                  "correctly?") from exc
+    raise ModuleNotFoundError("No module named 'num2words'")  # torchvision fine: another missing package
+
+
+def test_a_torchvision_that_does_not_match_torch_is_named_with_the_fix(model_dirs, monkeypatch):
+    import sys
+
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", processor_that_needs_torchvision)
+    with pytest.raises(ModelError) as other:  # torchvision imports: the real cause is passed on, not blamed on it
+        load(str(model_dirs["qwen"]), device="cpu")
+    assert "num2words" in str(other.value) and "torchvision" not in str(other.value)
+    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [BrokenTorchvision(), *sys.meta_path])
+    with pytest.raises(ModelError) as broken:
+        load(str(model_dirs["qwen"]), device="cpu")
+    message = str(broken.value)
+    assert "torchvision" in message and "does not work with torch" in message
+    assert "operator torchvision::nms does not exist" in message and "install a matching pair" in message
+    assert "download.pytorch.org/whl/cpu" in message and "AutoProcessor" not in message
+    assert len(message.splitlines()) == 1

@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from recap_cli import cli, safety
+from recap_cli import cli, models, safety
 from recap_cli.records import load_image
 from recap_cli.session import Session
 
@@ -54,7 +54,7 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kw):
         raise AssertionError("the model was loaded before the paths were checked")
 
-    monkeypatch.setattr(cli, "load", refuse)
+    monkeypatch.setattr(models, "load", refuse)  # the command line imports it where it loads the model
 
 
 # --- paths: checked before the model loads ----------------------------------------------------------------------

@@ -24,21 +24,11 @@ import torch
 
 from ..adapters import Adapter, Prompt
 from ..drafters import Drafter
+from ..options import DEFAULT_BATCH, default_batch  # noqa: F401 - re-exported (they live where --help reads them)
 from . import compat
 from .cost import BatchCost, RowShare, batch_width
 from .engine import Generation, accept, commit, greedy_and_rows, text_positions
 from .tree import Rows, Source, Tree, Verified
-
-
-# Requests in flight when --batch is not given, by device type. CPU: on 2 cores 16 rows gave 3.2-3.8x the
-# requests/hour of one at a time (demo model, SmolLM2) and 32 a further 12-21% on the 5M demo model only (a
-# compute-bound model gains less as rows grow); CUDA: projected (docs/benchmarks.md), eager steps cost the same
-# up to ~1,000 tokens, so more rows are nearly free.
-DEFAULT_BATCH = {"cpu": 16, "cuda": 32}
-
-
-def default_batch(device_type: str) -> int:
-    return DEFAULT_BATCH.get(device_type, 1)
 
 
 @dataclass

@@ -4,7 +4,8 @@
     python -m recap_cli.demo.samples --bench-to runs/demo-bench-96 --scenes 96  # a larger, held-out set
 
 Images come from seed streams that training never draws from (training uses "<seed>-<step>"). Every request
-has its true answer in a sibling ``*.truth.jsonl`` (id -> answers), which the accuracy script and tests read.
+file's true answers (id -> answers) are in ``truth/`` beside it under the same name, which the tests read; a
+folder of their own keeps them out of globs such as ``bench/demo_*.jsonl``.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def quick_start(root: Path, n: int = 18) -> None:
             asked = [qas[0] if i % 4 == 0 else rng.choice(qas[1:])]
         entries.append(_entry(name, f"images/{name}.png", asked))
     _write_jsonl(base / "requests.jsonl", [row for row, _ in entries])
-    _write_jsonl(base / "requests.truth.jsonl", [truth for _, truth in entries])
+    _write_jsonl(base / "truth" / "requests.jsonl", [truth for _, truth in entries])
 
 
 def bench_sets(base: Path, n: int = 24, seed: str = "bench") -> None:
@@ -82,7 +83,7 @@ def bench_sets(base: Path, n: int = 24, seed: str = "bench") -> None:
         sets["demo_multiturn"].append(_entry(f"chat-{name}", image, turns, "demo_multiturn"))
     for name, entries in sets.items():
         _write_jsonl(base / f"{name}.jsonl", [row for row, _ in entries])
-        _write_jsonl(base / f"{name}.truth.jsonl", [truth for _, truth in entries])
+        _write_jsonl(base / "truth" / f"{name}.jsonl", [truth for _, truth in entries])
 
 
 def main() -> None:

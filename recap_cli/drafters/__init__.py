@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from ..options import METHODS
 from .base import Drafter
 from .pld import PromptLookupDrafter
 from .recap import RecapDrafter
 from .tr import TokenRecyclingDrafter
-
-METHODS = ("ar", "recap", "tr", "pld")
 
 
 def make_drafter(method: str, vocab_size: int, banned=(), **knobs) -> Drafter:

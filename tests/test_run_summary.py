@@ -1,0 +1,44 @@
+"""The end-of-run summary counts what was answered: failed lines are no requests served, and a run that answered
+nothing has no rates to print."""
+
+from __future__ import annotations
+
+import orjson
+
+from recap_cli.batch import Totals, run_figures
+
+from .test_cli_run import invoke, jsonl
+from .test_safety import said, workdir  # noqa: F401 - a fixture
+
+
+def record(error: str | None = None) -> dict:
+    if error is not None:
+        return {"error": error}
+    return {"error": None, "new_tokens": 10, "prefill_ms": 5.0, "decode_ms": 45.0, "steps": 6, "turns": 1,
+            "tokens_by_source": {"bonus": 6}}
+
+
+def test_requests_per_hour_counts_answered_requests_only():
+    totals = Totals()
+    for r in (record(), record("image not found: a.png"), record("line 3: not valid JSON"), record()):
+        totals.add(r)
+    figures = run_figures(totals, wall_s=2.0, batch=1, occupancy=None)
+    assert totals.summary()["answered"] == 2 and figures["requests_per_hour"] == 3600  # 2 answers in 2 s
+    assert run_figures(Totals(), wall_s=2.0, batch=1, occupancy=None)["requests_per_hour"] == 0
+
+
+def test_a_run_that_answers_nothing_prints_no_rates(model_dirs, workdir, tmp_path):
+    src, out, summary = workdir / "nothing.jsonl", tmp_path / "out.jsonl", tmp_path / "summary.json"
+    src.write_bytes(jsonl({"id": 1, "prompt": "Hello there."}, {"id": 2, "prompt": "And again."}))
+    args = ["run", src, "--model", model_dirs["text"], "-o", out, "--max-new-tokens", 3]
+    assert invoke(args).exit_code == 0
+    again = invoke(args + ["--resume", "--summary", summary])  # everything is already in out.jsonl
+    assert again.exit_code == 0
+    assert said(again) == "0 items, 0 errors: nothing was answered", again.stderr
+    assert orjson.loads(summary.read_bytes())["requests_per_hour"] == 0
+    bad = workdir / "all-bad.jsonl"
+    bad.write_bytes(b'{"id": 1, "image": "missing.png"}\n{not json\n')
+    failed = invoke(["run", bad, "--model", model_dirs["text"], "--max-new-tokens", 3, "--summary", summary])
+    assert failed.exit_code == 1 and said(failed) == "2 items, 2 errors: nothing was answered", failed.stderr
+    assert "requests/hour" not in said(failed) and "mean accepted" not in said(failed)
+    assert orjson.loads(summary.read_bytes())["requests_per_hour"] == 0

@@ -1,0 +1,154 @@
+"""The first seconds of every command: help, `recap models` and usage errors answer without importing torch or
+transformers; an early Ctrl-C is one line; no module of recap_cli imports another that (directly or not) imports
+it back; `recap models` names its columns."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from recap_cli import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "recap_cli"
+HEAVY = ("torch", "transformers")
+
+# Runs the `recap` entry point in a fresh interpreter and, when it exits however it exits, writes the names of
+# every module it imported to $MODULES_OUT.
+WITH_MODULES = """
+import atexit, json, os, sys
+atexit.register(lambda: open(os.environ["MODULES_OUT"], "w").write(json.dumps(sorted(sys.modules))))
+sys.argv = ["recap", *sys.argv[1:]]
+from recap_cli.__main__ import main
+main()
+"""
+
+
+def recap(args: list, tmp_path: Path, code: str = WITH_MODULES, **env) -> subprocess.CompletedProcess:
+    """`recap ARGS` from this worktree in a real process (nothing imported yet, as on a user's machine)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MODULES_OUT": str(tmp_path / "modules.json"), **env}
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args, code", [(["--help"], 0), (["models"], 0), (["run", "--help"], 0),
+                                        (["compare", "--help"], 0), (["run", "missing.jsonl"], 2),
+                                        (["run", "missing.jsonl", "--quiet"], 2)])
+def test_help_models_and_usage_errors_load_neither_torch_nor_transformers(tmp_path, args, code):
+    done = recap(args, tmp_path)
+    assert done.returncode == code, done.stderr
+    modules = set(json.loads((tmp_path / "modules.json").read_text()))
+    assert not modules & set(HEAVY), f"`recap {' '.join(args)}` imported {sorted(modules & set(HEAVY))}"
+    if args[0] == "run" and code == 2:
+        assert done.stderr.strip() == "error: input file not found: missing.jsonl"
+
+
+def test_models_names_its_columns_on_stderr_and_keeps_stdout_to_rows():
+    result = CliRunner().invoke(cli.app, ["models"])
+    assert result.exit_code == 0
+    assert result.stderr.splitlines() == ["\t".join(cli.MODEL_COLUMNS)]
+    rows = [line.split("\t") for line in result.stdout.splitlines()]
+    assert rows and all(len(row) == len(cli.MODEL_COLUMNS) for row in rows)
+    assert rows[0][0] == "demo" and not any(row[0] == "name" for row in rows)
+
+
+# --- Ctrl-C during start-up -------------------------------------------------------------------------------------
+
+# Sends SIGINT to this process the moment module $INTERRUPT_AT is first imported: Ctrl-C at exactly that point of
+# start-up, every time (a timer would land anywhere, or after start-up on a fast machine).
+INTERRUPTED = """
+import os, signal, sys
+
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["INTERRUPT_AT"]:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["recap", *sys.argv[1:]]
+from recap_cli.__main__ import main
+main()
+"""
+
+
+@pytest.mark.parametrize("at", ["recap_cli.cli",  # importing the command line itself
+                                "torch",  # loading the model (its first heavy import)
+                                "recap_cli.batch"])  # after the model, before the first request
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, at):
+    (tmp_path / "r.jsonl").write_text('{"id": 1, "image": null, "prompt": "Hello?"}\n')
+    done = recap(["run", "r.jsonl", "--max-new-tokens", 2], tmp_path, code=INTERRUPTED, INTERRUPT_AT=at)
+    assert done.returncode == 130, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "interrupted" in done.stderr and done.stdout == ""
+
+
+# --- no import cycles -------------------------------------------------------------------------------------------
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """The recap_cli modules a module imports anywhere in it (top level, functions, TYPE_CHECKING blocks alike:
+    a cycle through a function-level import is still a circle in the design).
+
+    ``from P import x`` is an edge to ``P.x`` when that is a module, else to ``P`` (x is a name in P's
+    ``__init__``). Importing ``P.x`` also runs the ``__init__`` of every package above it, so those are edges too,
+    except the importer's own packages: Python has already started them before the importer runs, so a package
+    whose ``__init__`` imports its own submodules is no cycle."""
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    own = {".".join(me.split(".")[:i]) for i in range(1, me.count(".") + 1)} | {package}
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        for target in targets:
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):
+                name = ".".join(parts[:i])
+                if name in modules and name not in own and name != me:
+                    found.add(name)
+    return found
+
+
+def test_no_module_imports_itself_back():
+    files = [p for p in PACKAGE.rglob("*.py") if "demo/model" not in p.as_posix()]
+    modules = {module_name(p) for p in files}
+    graph = {module_name(p): imports_of(p, modules) for p in files}
+    assert "recap_cli.session" in graph["recap_cli.scale"]  # the parser sees relative imports in functions
+    assert not any("recap_cli.cli" in deps for name, deps in graph.items() if name != "recap_cli.__main__"), \
+        "only the entry point imports the command line"
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep):] + [dep] if dep in path else [name, dep]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
