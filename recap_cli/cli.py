@@ -294,7 +294,7 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
         from . import scale
     except ImportError:
         fail(escape("--ray needs Ray: pip install 'recap-cli[ray]' (or -e \".[ray]\" in a checkout)"))
-    with _sink(output, resume) as sink, \
+    with _LateSink(output, resume) as sink, \
             _progress(total) as progress:
         task = progress.add_task("answering", total=total)
         try:
@@ -302,6 +302,8 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
                                 sink, output, resume, memory, lambda: progress.advance(task))
         except (scale.ScaleError, ValueError) as exc:
             fail(escape(str(exc)))
+        if not outcome.interrupted:
+            sink.open()  # a run with nothing to write still leaves its output, as a local run does
     if outcome.memories_merged:
         stale = "" if outcome.memories_final else " (some workers' last requests missing: they did not stop cleanly)"
         err.print(f"memories of {outcome.memories_merged} workers merged into {memory}{stale}")
@@ -362,6 +364,34 @@ def _budget(method: str, value: str) -> int | str:
 def _sink(output: Path | None, resume: bool):
     """Where records go: --output (appended to when resuming), else stdout."""
     return open(output, "ab" if resume else "wb") if output else nullcontext(sys.stdout.buffer)
+
+
+class _LateSink:
+    """--ray's output, opened (emptied, or appended to with --resume) only when the first record is ready: what
+    can still fail with a usage error before it (the cluster, the workers' model and memory) then leaves an
+    existing file as it was. stdout without --output."""
+
+    def __init__(self, output: Path | None, resume: bool):
+        self.output, self.mode, self.file = output, "ab" if resume else "wb", None
+
+    def open(self) -> IO[bytes]:
+        if self.file is None:
+            self.file = open(self.output, self.mode) if self.output else sys.stdout.buffer
+        return self.file
+
+    def write(self, data: bytes) -> int:
+        return self.open().write(data)
+
+    def flush(self) -> None:
+        if self.file is not None:
+            self.file.flush()
+
+    def __enter__(self) -> _LateSink:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.file is not None and self.output:
+            self.file.close()
 
 
 def _write(sink: IO[bytes], record: dict) -> None:
