@@ -223,10 +223,13 @@ def compare(
     offline: bool = typer.Option(False, help="never ask the hub; use the local cache only (also HF_HUB_OFFLINE=1)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress or info lines on stderr (the result "
                                "tables and errors still print)"),
+    allow_failures: bool = typer.Option(False, help="exit 0 even when a method failed on inputs another answered "
+                                        "(the failures are still named on stderr)"),
 ) -> None:
     """Run every method on the same inputs, interleaved, and report speedups over the baseline.
 
-    stdout gets one JSON line per (input, method) measurement; the tables go to stderr."""
+    stdout gets one JSON line per (input, method) measurement; the tables go to stderr. Exit 1 when a method's
+    tokens differ from the baseline's, or when a method failed on an input another method answered."""
     _set_output(quiet)
     labels = list(dict.fromkeys([baseline] + [m.strip() for m in methods.split(",") if m.strip()]))
     try:
@@ -268,7 +271,29 @@ def compare(
         report.plot(summary, report_dir / "speedups.png")
         info(f"report written to {report_dir}")
     mismatched = any(s["mismatches"] for ms in summary.values() for s in ms.values())
-    raise typer.Exit(EXIT_FAILED_RECORDS if mismatched else EXIT_OK)
+    failed, uneven = comparison.failures(rows)
+    _name_failures(failed, uneven, len(requests), allow_failures)
+    raise typer.Exit(EXIT_FAILED_RECORDS if mismatched or (uneven and not allow_failures) else EXIT_OK)
+
+
+def _name_failures(failed: dict[str, list[comparison.Measurement]], uneven: dict[str, int], inputs: int,
+                   allowed: bool, shown: int = 10) -> None:
+    """Each method's failed inputs on stderr (its file and line, its id, the error's first line): they are left
+    out of the statistics, so nobody should read the table without knowing. A method that failed where another
+    answered is an error (exit 1) unless --allow-failures."""
+    for method, rows in failed.items():
+        kind = "[bold red]error:[/]" if method in uneven and not allowed else "[yellow]warning:[/]"
+        where = (f" ({uneven[method]} answered by another method)" if method in uneven
+                 else " (every method failed on them)")
+        err.print(f"{kind} {escape(method)} failed on {len(rows)} of {inputs} inputs{where}; they are left out of "
+                  "the statistics", highlight=False)
+        for r in rows[:shown]:
+            first = next(iter((r.error or "").strip().splitlines()), "")
+            err.print(f"  {escape(r.dataset)} line {r.line} (id {escape(r.id)}): {escape(first)}", highlight=False)
+        if len(rows) > shown:
+            err.print(f"  and {len(rows) - shown} more (every failure is in the JSON lines on stdout)", highlight=False)
+    if uneven and not allowed:
+        err.print("(--allow-failures exits 0 all the same)", highlight=False)
 
 
 def _loaded(model: str, offline: bool, **how):
