@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -155,41 +156,52 @@ def run(
                   "wrote them): their lines are answered again", highlight=False)
     totals = Totals()
     stop = None  # the exit code of a run that did not reach the end of its input
-    with safety.terminate_as_interrupt(), \
-            _sink(output, resume) as sink, \
-            _progress(total) as progress:
-        task = progress.add_task("answering", total=total)
+    # A stop signal after the last record, or during the memory save and the summary, waits for them: the save
+    # finishes (the temp file never stays), the summary is written, and the run exits with the signal's code.
+    with safety.stops_held() as held:
+        with safety.terminate_as_interrupt(), \
+                _sink(output, resume) as sink, \
+                _progress(total) as progress:
+            task = progress.add_task("answering", total=total)
 
-        def todo() -> Iterator[records.Request]:
-            capped = False
-            for req in records.read(source, base):
-                if records.answer_key(req) in skip:
-                    progress.advance(task)
-                    continue
-                if records.cap_new_tokens(req, max_new_tokens, allow_longer) and not capped:
-                    capped = True
-                    err.print(f"line {req.line} asks for more than --max-new-tokens {max_new_tokens}: capped "
-                              "(--allow-longer lets records go past it)", highlight=False)
-                yield req
+            def todo() -> Iterator[records.Request]:
+                capped = False
+                for req in records.read(source, base):
+                    if records.answer_key(req) in skip:
+                        progress.advance(task)
+                        continue
+                    if records.cap_new_tokens(req, max_new_tokens, allow_longer) and not capped:
+                        capped = True
+                        err.print(f"line {req.line} asks for more than --max-new-tokens {max_new_tokens}: capped "
+                                  "(--allow-longer lets records go past it)", highlight=False)
+                    yield req
 
-        t0 = time.perf_counter()
-        try:
-            for record, _ in answer_all(session, todo(), model, max_new_tokens):
-                with safety.whole_lines():
-                    _write(sink, record)
-                    totals.add(record)
-                    progress.advance(task)
-        except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the request in flight is dropped; lines stay whole
-            stop = EXIT_TERMINATED if isinstance(exc, safety.Terminated) else EXIT_INTERRUPTED
-        except BrokenPipeError:  # the reader of stdout went away (`| head`): nobody can take more answers
-            safety.silence_stdout()
-            stop = EXIT_CLOSED_STDOUT
-    if memory is not None and session.save_memory(memory):
-        info(f"memory saved to {memory}")
-    _report(totals, summary, stop, run_figures(totals, time.perf_counter() - t0, session.batch, session.occupancy))
+            t0 = time.perf_counter()
+            try:
+                for record, _ in answer_all(session, todo(), model, max_new_tokens):
+                    with safety.whole_lines():
+                        _write(sink, record)
+                        totals.add(record)
+                        progress.advance(task)
+            except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the request in flight is dropped; lines stay whole
+                stop = EXIT_TERMINATED if isinstance(exc, safety.Terminated) else EXIT_INTERRUPTED
+            except BrokenPipeError:  # the reader of stdout went away (`| head`): nobody can take more answers
+                safety.silence_stdout()
+                stop = EXIT_CLOSED_STDOUT
+        if memory is not None and session.save_memory(memory):
+            info(f"memory saved to {memory}")
+        stop = stop or _stopped_by(held)
+        _report(totals, summary, stop, run_figures(totals, time.perf_counter() - t0, session.batch,
+                                                   session.occupancy))
+    stop = stop or _stopped_by(held)
     if stop is not None:
         raise typer.Exit(stop)
     raise typer.Exit(EXIT_FAILED_RECORDS if totals.errors else EXIT_OK)
+
+
+def _stopped_by(held: list[int]) -> int | None:
+    """The exit code of the first stop signal held back, if any (as if it had ended the run)."""
+    return {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}.get(held[0]) if held else None
 
 
 def _check_paths(inputs: str, **targets: Path | None) -> None:

@@ -62,3 +62,65 @@ def test_the_cut_reads_each_record_once_and_keeps_the_keys(tmp_path):
     assert keys == {(1, b'"a"'), (2, b"7"), (4, b'"b"')} and unnumbered == 1
     assert out.read_bytes().endswith(orjson.dumps(recs[-1]) + b"\n\n")
     assert answered(out) == (keys, unnumbered)  # whole already: nothing more is cut
+
+
+# --- the final memory save: whatever signal arrives, it finishes, the summary is written, no temp file stays --
+
+# `recap run` in a fresh process whose memory save is hit by a signal (argv[1]) after the temp file is written
+# and before the rename: the deterministic middle of the save.
+SIGNAL_IN_SAVE = """
+import os, signal, sys
+import torch
+
+real, kind = torch.save, getattr(signal, sys.argv[1])
+
+def save(*args, **kw):
+    real(*args, **kw)
+    os.kill(os.getpid(), kind)
+
+torch.save = save
+sys.argv = ["recap", *sys.argv[2:]]
+from recap_cli.cli import app
+app()
+"""
+
+
+def jsonl(*records) -> bytes:
+    return b"".join(orjson.dumps(r) + b"\n" for r in records)
+
+
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_during_the_memory_save_waits_for_it_and_the_summary(model_dirs, tmp_path, sig, code):
+    src, mem, summary = tmp_path / "in.jsonl", tmp_path / "mem.pt", tmp_path / "summary.json"
+    src.write_bytes(jsonl(*[{"id": i, "prompt": f"Question {i}?"} for i in range(3)]))
+    done = python(SIGNAL_IN_SAVE, sig, "run", src, "--model", model_dirs["text"], "--memory", mem, "--summary",
+                  summary, "--max-new-tokens", 4, "--batch", 2)
+    stderr = done.stderr.decode()
+    assert done.returncode == code, stderr
+    assert [orjson.loads(x)["id"] for x in done.stdout.splitlines()] == [0, 1, 2]
+    assert "memory saved" in stderr and "Traceback" not in stderr
+    s = orjson.loads(summary.read_bytes())
+    assert s["items"] == 3 and s["interrupted"] is True
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "mem.pt", "summary.json"]  # no temp file
+    from recap_cli.models import load
+    from recap_cli.session import Session
+
+    Session(load(model_dirs["text"], device="cpu"), "recap").load_memory(mem)  # a whole memory file
+
+
+def test_memory_through_a_symlink_updates_its_target_and_the_link_stays(get_adapter, tmp_path):
+    from recap_cli import safety
+    from recap_cli.session import Session
+
+    (tmp_path / "store").mkdir()
+    target, link = tmp_path / "store" / "mem.pt", tmp_path / "mem.pt"
+    target.write_bytes(b"an older memory")
+    link.symlink_to(target)
+    session = Session(get_adapter("text"), "recap")
+    session.answer([{"role": "user", "content": "Fill the memory a little."}], [], 8)
+    assert safety.unwritable(link, "--memory", atomic=True) is None
+    assert session.save_memory(link)
+    assert link.is_symlink() and link.resolve() == target
+    Session(get_adapter("text"), "recap").load_memory(target)  # the target holds the new memory
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mem.pt", "store"]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["mem.pt"]  # no temp file beside the target
