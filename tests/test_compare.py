@@ -14,6 +14,7 @@ from recap_cli import compare as comparison
 from recap_cli.compare import Measurement, failures, parse_method, quantile, run, summarize
 from recap_cli.decoding.engine import Generation
 from recap_cli.records import Request
+from recap_cli.report import markdown
 
 from .conftest import make_image
 
@@ -225,6 +226,4 @@ def test_compare_cli_names_a_failed_input_exits_1_and_scores_the_baseline_1_with
 def test_the_markdown_report_counts_failed_inputs():
     rows = [m("a", "ar", 10, 1.0), m("a", "x", 10, 0.5), m("b", "ar", 10, 1.0),
             Measurement(id="b", dataset="d", method="x", error="boom")]
-    from recap_cli.report import markdown
-
     assert "- `x` failed on 1 of 2 inputs (left out of the statistics)" in markdown(summarize(rows, "ar"), "ar")
