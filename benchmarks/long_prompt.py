@@ -44,20 +44,27 @@ def short_requests(n: int) -> list[Request]:
 
 
 def long_request(adapter: Adapter, tokens: int) -> tuple[Request, int]:
-    """A text request whose prompt (chat template included) is as close to ``tokens`` as whole words allow."""
+    """A text request whose prompt (chat template included) is ``tokens`` long, or as close below as words and
+    then single characters get it."""
     words = FILLER.split()
 
-    def length(n: int) -> int:
-        text = " ".join(words[i % len(words)] for i in range(n))
+    def length(text: str) -> int:
         return adapter.build([{"role": "user", "content": [{"type": "text", "text": text}]}]
                              if adapter.supports_images else [{"role": "user", "content": text}], []).length
+
+    def prose(n: int) -> str:
+        return " ".join(words[i % len(words)] for i in range(n))
 
     lo, hi = 1, 2 * tokens  # the most words that keep the prompt within ``tokens``
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if length(mid) <= tokens else (lo, mid - 1)
-    text = " ".join(words[i % len(words)] for i in range(lo))
-    return Request(line=0, id="long", turns=[text]), length(lo)
+        lo, hi = (mid, hi) if length(prose(mid)) <= tokens else (lo, mid - 1)
+    text = prose(lo)
+    for _ in range(tokens):  # top up one character at a time while that still fits
+        if length(text) == tokens or length(text + " x") > tokens:
+            break
+        text += " x"
+    return Request(line=0, id="long", turns=[text]), length(text)
 
 
 def timed(adapter: Adapter, spec: str, batch: int, reqs: list[Request], max_new_tokens: int) -> dict:
