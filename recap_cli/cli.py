@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -187,38 +188,44 @@ def run(
                   "wrote them): their lines are answered again", highlight=False)
     totals = Totals()
     stop = None  # the exit code of a run that did not reach the end of its input
-    with safety.terminate_as_interrupt(), \
-            _sink(output, resume) as sink, \
-            _progress(total) as progress:
-        task = progress.add_task("answering", total=total)
+    # A stop signal after the last record, or during the memory save and the summary, waits for them: the save
+    # finishes (the temp file never stays), the summary is written, and the run exits with the signal's code.
+    with safety.stops_held() as held:
+        with safety.terminate_as_interrupt(), \
+                _sink(output, resume) as sink, \
+                _progress(total) as progress:
+            task = progress.add_task("answering", total=total)
 
-        def todo() -> Iterator[records.Request]:
-            capped = False
-            for req in records.read(source, base):
-                if records.answer_key(req) in skip:
-                    progress.advance(task)
-                    continue
-                if records.cap_new_tokens(req, max_new_tokens, allow_longer) and not capped:
-                    capped = True
-                    err.print(f"line {req.line} asks for more than --max-new-tokens {max_new_tokens}: capped "
-                              "(--allow-longer lets records go past it)", highlight=False)
-                yield req
+            def todo() -> Iterator[records.Request]:
+                capped = False
+                for req in records.read(source, base):
+                    if records.answer_key(req) in skip:
+                        progress.advance(task)
+                        continue
+                    if records.cap_new_tokens(req, max_new_tokens, allow_longer) and not capped:
+                        capped = True
+                        err.print(f"line {req.line} asks for more than --max-new-tokens {max_new_tokens}: capped "
+                                  "(--allow-longer lets records go past it)", highlight=False)
+                    yield req
 
-        t0 = time.perf_counter()
-        try:
-            for record, _ in answer_all(session, todo(), model, max_new_tokens):
-                with safety.whole_lines():
-                    _write(sink, record)
-                    totals.add(record)
-                    progress.advance(task)
-        except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the request in flight is dropped; lines stay whole
-            stop = EXIT_TERMINATED if isinstance(exc, safety.Terminated) else EXIT_INTERRUPTED
-        except BrokenPipeError:  # the reader of stdout went away (`| head`): nobody can take more answers
-            safety.silence_stdout()
-            stop = EXIT_CLOSED_STDOUT
-    if memory is not None and session.save_memory(memory):
-        info(f"memory saved to {memory}")
-    _report(totals, summary, stop, run_figures(totals, time.perf_counter() - t0, session.batch, session.occupancy))
+            t0 = time.perf_counter()
+            try:
+                for record, _ in answer_all(session, todo(), model, max_new_tokens):
+                    with safety.whole_lines():
+                        _write(sink, record)
+                        totals.add(record)
+                        progress.advance(task)
+            except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the request in flight is dropped; lines stay whole
+                stop = EXIT_TERMINATED if isinstance(exc, safety.Terminated) else EXIT_INTERRUPTED
+            except BrokenPipeError:  # the reader of stdout went away (`| head`): nobody can take more answers
+                safety.silence_stdout()
+                stop = EXIT_CLOSED_STDOUT
+        if memory is not None and session.save_memory(memory):
+            info(f"memory saved to {memory}")
+        stop = stop or _stopped_by(held)
+        _report(totals, summary, stop, run_figures(totals, time.perf_counter() - t0, session.batch,
+                                                   session.occupancy))
+    stop = stop or _stopped_by(held)
     if stop is not None:
         raise typer.Exit(stop)
     raise typer.Exit(EXIT_FAILED_RECORDS if totals.errors else EXIT_OK)
@@ -245,6 +252,11 @@ def _memory_failed(exc: Exception, cold_on_error: bool) -> None:
         fail(f"cannot load memory: {exc} (--memory-cold-on-error starts cold and overwrites it)")
     err.print(f"[yellow]warning:[/] cannot load memory: {exc}; starting cold, the end of the run overwrites it",
               highlight=False)
+
+
+def _stopped_by(held: list[int]) -> int | None:
+    """The exit code of the first stop signal held back, if any (as if it had ended the run)."""
+    return {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}.get(held[0]) if held else None
 
 
 def _check_paths(inputs: str, **targets: Path | None) -> None:
@@ -279,10 +291,13 @@ def compare(
     offline: bool = typer.Option(False, help="never ask the hub; use the local cache only (also HF_HUB_OFFLINE=1)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress or info lines on stderr (the result "
                                "tables and errors still print)"),
+    allow_failures: bool = typer.Option(False, help="exit 0 even when a method failed on inputs another answered "
+                                        "(the failures are still named on stderr)"),
 ) -> None:
     """Run every method on the same inputs, interleaved, and report speedups over the baseline.
 
-    stdout gets one JSON line per (input, method) measurement; the tables go to stderr."""
+    stdout gets one JSON line per (input, method) measurement; the tables go to stderr. Exit 1 when a method's
+    tokens differ from the baseline's, or when a method failed on an input another method answered."""
     _set_output(quiet)
     from . import compare as comparison
 
@@ -326,7 +341,29 @@ def compare(
         report.plot(summary, report_dir / "speedups.png")
         info(f"report written to {report_dir}")
     mismatched = any(s["mismatches"] for ms in summary.values() for s in ms.values())
-    raise typer.Exit(EXIT_FAILED_RECORDS if mismatched else EXIT_OK)
+    failed, uneven = comparison.failures(rows)
+    _name_failures(failed, uneven, len(requests), allow_failures)
+    raise typer.Exit(EXIT_FAILED_RECORDS if mismatched or (uneven and not allow_failures) else EXIT_OK)
+
+
+def _name_failures(failed: dict[str, list[comparison.Measurement]], uneven: dict[str, int], inputs: int,
+                   allowed: bool, shown: int = 10) -> None:
+    """Each method's failed inputs on stderr (its file and line, its id, the error's first line): they are left
+    out of the statistics, so nobody should read the table without knowing. A method that failed where another
+    answered is an error (exit 1) unless --allow-failures."""
+    for method, rows in failed.items():
+        kind = "[bold red]error:[/]" if method in uneven and not allowed else "[yellow]warning:[/]"
+        where = (f" ({uneven[method]} answered by another method)" if method in uneven
+                 else " (every method failed on them)")
+        err.print(f"{kind} {escape(method)} failed on {len(rows)} of {inputs} inputs{where}; they are left out of "
+                  "the statistics", highlight=False)
+        for r in rows[:shown]:
+            first = next(iter((r.error or "").strip().splitlines()), "")
+            err.print(f"  {escape(r.dataset)} line {r.line} (id {escape(r.id)}): {escape(first)}", highlight=False)
+        if len(rows) > shown:
+            err.print(f"  and {len(rows) - shown} more (every failure is in the JSON lines on stdout)", highlight=False)
+    if uneven and not allowed:
+        err.print("(--allow-failures exits 0 all the same)", highlight=False)
 
 
 def _loaded(model: str, offline: bool, **how):
@@ -354,7 +391,7 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
         from . import scale
     except ImportError:
         fail(escape("--ray needs Ray: pip install 'recap-cli[ray]' (or -e \".[ray]\" in a checkout)"))
-    with _sink(output, resume) as sink, \
+    with _LateSink(output, resume) as sink, \
             _progress(total) as progress:
         task = progress.add_task("answering", total=total)
         try:
@@ -362,6 +399,8 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
                                 sink, output, resume, memory, lambda: progress.advance(task))
         except (scale.ScaleError, ValueError) as exc:
             fail(escape(str(exc)))
+        if not outcome.interrupted:
+            sink.open()  # a run with nothing to write still leaves its output, as a local run does
     if outcome.memories_merged:
         stale = "" if outcome.memories_final else " (some workers' last requests missing: they did not stop cleanly)"
         err.print(f"memories of {outcome.memories_merged} workers merged into {memory}{stale}")
@@ -419,6 +458,34 @@ def _budget(method: str, value: str) -> int | str:
 def _sink(output: Path | None, resume: bool):
     """Where records go: --output (appended to when resuming), else stdout."""
     return open(output, "ab" if resume else "wb") if output else nullcontext(sys.stdout.buffer)
+
+
+class _LateSink:
+    """--ray's output, opened (emptied, or appended to with --resume) only when the first record is ready: what
+    can still fail with a usage error before it (the cluster, the workers' model and memory) then leaves an
+    existing file as it was. stdout without --output."""
+
+    def __init__(self, output: Path | None, resume: bool):
+        self.output, self.mode, self.file = output, "ab" if resume else "wb", None
+
+    def open(self) -> IO[bytes]:
+        if self.file is None:
+            self.file = open(self.output, self.mode) if self.output else sys.stdout.buffer
+        return self.file
+
+    def write(self, data: bytes) -> int:
+        return self.open().write(data)
+
+    def flush(self) -> None:
+        if self.file is not None:
+            self.file.flush()
+
+    def __enter__(self) -> _LateSink:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.file is not None and self.output:
+            self.file.close()
 
 
 def _write(sink: IO[bytes], record: dict) -> None:

@@ -49,6 +49,14 @@ class Measurement:
     wall_s: float = 0.0  # its share of the wall time its method took over the dataset (batched: wall / inputs)
     match: bool | None = None  # tokens equal the baseline's
     error: str | None = None
+    input: int | None = None  # its position among all inputs: what pairs it with the baseline's (ids repeat)
+    line: int | None = None  # its line in its file
+
+    @property
+    def key(self) -> int | str:
+        """What pairs a measurement with the baseline's of the same input: the input's position (rows built by
+        hand without one fall back to the id)."""
+        return self.input if self.input is not None else self.id
 
     @property
     def throughput(self) -> float:
@@ -118,24 +126,26 @@ def run(sessions: dict, requests: list[Request], baseline: str, model: str, max_
     for label in labels:  # through the path the timed runs take (a batched session measures its step costs here)
         for _ in answer_all(sessions[label], warm, model, max_new_tokens):
             pass
+    position = {id(req): i for i, req in enumerate(requests)}  # an input is its place in the list, never its id
     rows: list[Measurement] = []
     for d, (dataset, reqs) in enumerate(group(requests).items()):
         if d == 0 or not keep_memory:  # the warm-up's memories go too: every dataset starts alike
             for s in sessions.values():
                 s.reset_memory()
         if getattr(sessions[baseline], "batch", 1) > 1:
-            rows.extend(_run_batched(sessions, reqs, d, dataset, baseline, model, max_new_tokens, on_input))
+            rows.extend(_run_batched(sessions, reqs, d, dataset, baseline, model, max_new_tokens, on_input, position))
             continue
         for i, req in enumerate(reqs):
             order = labels[i % len(labels):] + labels[: i % len(labels)]
             measured = {label: _measured(*answer_with_tokens(sessions[label], req, model, max_new_tokens), req,
-                                         dataset, label) for label in order}
+                                         dataset, label, input=position[id(req)]) for label in order}
             rows.extend(_matched(measured, baseline, on_input))
     return rows
 
 
 def _run_batched(sessions: dict, reqs: list[Request], d: int, dataset: str, baseline: str, model: str,
-                 max_new_tokens: int, on_input: Callable[[list[Measurement]], None] | None) -> list[Measurement]:
+                 max_new_tokens: int, on_input: Callable[[list[Measurement]], None] | None,
+                 position: dict[int, int]) -> list[Measurement]:
     """Every method over the whole dataset with its requests in flight together (the method order rotates
     from one dataset to the next); each input's wall share is its method's wall time over the inputs."""
     labels = list(sessions)
@@ -144,7 +154,7 @@ def _run_batched(sessions: dict, reqs: list[Request], d: int, dataset: str, base
         t0 = time.perf_counter()
         answered = list(answer_all(sessions[label], reqs, model, max_new_tokens))
         share = (time.perf_counter() - t0) / len(reqs)
-        results[label] = [_measured(record, tokens, req, dataset, label, share)
+        results[label] = [_measured(record, tokens, req, dataset, label, share, position[id(req)])
                           for (record, tokens), req in zip(answered, reqs)]
     rows = []
     for i in range(len(reqs)):
@@ -167,8 +177,8 @@ def _matched(measured: dict[str, tuple[Measurement, list[list[int]]]], baseline:
 
 
 def _measured(record: dict, tokens: list[list[int]], req: Request, dataset: str, label: str,
-              wall_s: float | None = None) -> tuple[Measurement, list[list[int]]]:
-    m = Measurement(id=str(req.id), dataset=dataset, method=label, error=record["error"])
+              wall_s: float | None = None, input: int | None = None) -> tuple[Measurement, list[list[int]]]:
+    m = Measurement(id=str(req.id), dataset=dataset, method=label, error=record["error"], input=input, line=req.line)
     if m.error is None:
         m.new_tokens = record["new_tokens"]
         m.seconds = (record["prefill_ms"] + record["decode_ms"]) / 1000
@@ -197,21 +207,21 @@ def summarize(rows: list[Measurement], baseline: str) -> dict:
     datasets = list(dict.fromkeys(r.dataset for r in rows))
     for dataset in datasets + (["all"] if len(datasets) > 1 else []):
         sub = [r for r in rows if dataset == "all" or r.dataset == dataset]
-        base = {r.id: r for r in sub if r.method == baseline and r.error is None}
+        base = {r.key: r for r in sub if r.method == baseline and r.error is None}
         out[dataset] = {method: _stats([r for r in sub if r.method == method], base)
                         for method in dict.fromkeys(r.method for r in sub)}
     return out
 
 
-def _stats(rows: list[Measurement], base: dict[str, Measurement]) -> dict:
-    ok = [r for r in rows if r.error is None and r.id in base and base[r.id].throughput > 0]
-    speedups = [r.throughput / base[r.id].throughput for r in ok]
+def _stats(rows: list[Measurement], base: dict[int | str, Measurement]) -> dict:
+    ok = [r for r in rows if r.error is None and r.key in base and base[r.key].throughput > 0]
+    speedups = [r.throughput / base[r.key].throughput for r in ok]
     checked = [r for r in rows if r.match is not None]
     tokens, seconds = sum(r.new_tokens for r in ok), sum(r.seconds for r in ok)
-    base_tokens, base_seconds = sum(base[r.id].new_tokens for r in ok), sum(base[r.id].seconds for r in ok)
+    base_tokens, base_seconds = sum(base[r.key].new_tokens for r in ok), sum(base[r.key].seconds for r in ok)
     steps = sum(r.steps for r in ok)
     decode = sum(r.decode_s for r in ok)
-    wall, base_wall = sum(r.wall_s for r in ok), sum(base[r.id].wall_s for r in ok)
+    wall, base_wall = sum(r.wall_s for r in ok), sum(base[r.key].wall_s for r in ok)
     return {
         "inputs": len(rows), "errors": sum(r.error is not None for r in rows),
         "mean_speedup": sum(speedups) / len(speedups) if speedups else math.nan,
@@ -228,6 +238,22 @@ def _stats(rows: list[Measurement], base: dict[str, Measurement]) -> dict:
         "mismatches": [r.id for r in checked if not r.match],
         "speedups": speedups,
     }
+
+
+def failures(rows: list[Measurement]) -> tuple[dict[str, list[Measurement]], dict[str, int]]:
+    """Every method's failed measurements, and per method how many of them failed on an input another method
+    answered (the baseline failing where others answered counts too): the statistics then leave out inputs that
+    some methods were measured on. An input that fails for every method (a bad line) is left out of every method
+    alike."""
+    failed: dict[str, list[Measurement]] = {}
+    answered: set[int | str] = set()
+    for r in rows:
+        if r.error is None:
+            answered.add(r.key)
+        else:
+            failed.setdefault(r.method, []).append(r)
+    uneven = {method: sum(r.key in answered for r in ms) for method, ms in failed.items()}
+    return failed, {method: n for method, n in uneven.items() if n}
 
 
 def rows_as_dicts(rows: list[Measurement]) -> list[dict]:

@@ -7,6 +7,7 @@ error, so every input line yields exactly one output line.
 from __future__ import annotations
 
 import codecs
+import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -196,22 +197,29 @@ def answer_key(req: Request) -> tuple[int, bytes]:
 
 def answered(output: Path) -> tuple[set[tuple[int, bytes]], int]:
     """(line, id) keys of the records already in an output file (for --resume), after cutting a torn last line
-    left by a crash, and the number of records without a line number (from an older recap; answered again)."""
+    left by a crash, and the number of records without a line number (from an older recap; answered again).
+
+    The file is read line by line (never whole: outputs grow to hundreds of megabytes) and a torn tail is cut by
+    truncating in place: every whole record stays where it is whatever stops the cut (rewriting the file would
+    empty it first, and a kill then would leave nothing)."""
     if not output.is_file():
         return set(), 0
-    data = output.read_bytes()
-    if data and not data.endswith(b"\n"):
-        data = data[: data.rfind(b"\n") + 1]
-        output.write_bytes(data)
-    keys, unnumbered = set(), 0
-    for raw in data.splitlines():
-        try:
-            rec = orjson.loads(raw)
-            line = rec.get("line")
-            if isinstance(line, int) and "id" in rec:
-                keys.add((line, orjson.dumps(rec["id"])))
-            else:
-                unnumbered += 1
-        except (orjson.JSONDecodeError, AttributeError):
-            continue
+    keys, unnumbered, whole, torn = set(), 0, 0, False
+    with open(output, "rb") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):  # only the last line can lack its newline
+                torn = True
+                break
+            whole += len(raw)
+            try:
+                rec = orjson.loads(raw)
+                line = rec.get("line")
+                if isinstance(line, int) and "id" in rec:
+                    keys.add((line, orjson.dumps(rec["id"])))
+                else:
+                    unnumbered += 1
+            except (orjson.JSONDecodeError, AttributeError):
+                continue
+    if torn:
+        os.truncate(output, whole)
     return keys, unnumbered

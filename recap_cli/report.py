@@ -80,12 +80,15 @@ def markdown(summary: dict, baseline: str, header: str = "") -> str:
         for method, s in methods.items():
             lines.append(f"| {method} | " + " | ".join(_fmt(k, s.get(k)) for _, k in COLUMNS) + " |")
         bad = {m: s["mismatches"] for m, s in methods.items() if s["mismatches"]}
+        failed = {m: s for m, s in methods.items() if s["errors"]}
         lines.append("")
         if notes := blank_notes(methods):
             lines += [f"- {note}" for note in notes] + [""]
         for method, ids in bad.items():
             lines.append(f"- `{method}` differs from `{baseline}` on: {', '.join(ids)}")
-        if bad:
+        for method, s in failed.items():
+            lines.append(f"- `{method}` failed on {s['errors']} of {s['inputs']} inputs (left out of the statistics)")
+        if bad or failed:
             lines.append("")
     return "\n".join(lines)
 

@@ -43,7 +43,7 @@ def unwritable(path: Path, flag: str, atomic: bool = False) -> str | None:
     needs a writable folder even when the file exists."""
     if path.is_dir():
         return f"{flag} {path} is a folder, not a file"
-    folder = path.parent
+    folder = (path.resolve() if atomic else path).parent  # a symlink's target is what an atomic write replaces
     if not folder.is_dir():
         return f"{flag} {path}: the folder {folder} does not exist"
     if path.exists() and not os.access(path, os.W_OK):
@@ -56,8 +56,8 @@ def unwritable(path: Path, flag: str, atomic: bool = False) -> str | None:
 @contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
     """While inside, SIGTERM raises ``Terminated`` (a KeyboardInterrupt) and SIGINT a KeyboardInterrupt, except
-    within ``whole_lines``, which they wait for; the previous handlers come back after, so a second SIGTERM
-    during the final memory save ends the process at once."""
+    within ``whole_lines``, which they wait for; the previous handlers come back after (``stops_held``'s, around
+    a run, so a signal during the final memory save waits for it)."""
     try:
         previous = {sig: signal.signal(sig, handler) for sig, handler in
                     ((signal.SIGTERM, _stop_as(Terminated)), (signal.SIGINT, _stop_as(KeyboardInterrupt)))}
@@ -66,6 +66,25 @@ def terminate_as_interrupt() -> Iterator[None]:
         return
     try:
         yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
+def stops_held() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM that arrive inside are noted, not acted on: the list yielded gets their numbers, for the
+    caller to exit with after what must finish (the memory save, the summary) has. A ``terminate_as_interrupt``
+    inside takes over until it ends, then these handlers are back: no moment in between is unguarded."""
+    held: list[int] = []
+    try:
+        previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
+                    for sig in (signal.SIGTERM, signal.SIGINT)}
+    except ValueError:  # not the main thread: signals cannot be handled here
+        yield held
+        return
+    try:
+        yield held
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -362,6 +362,7 @@ def _save_merged(collector, path: Path, wait: bool) -> tuple[int, bool]:
         return 0, finished
     load = lambda blob: torch.load(_as_file(blob), map_location="cpu", weights_only=True)  # noqa: E731
     merged = merge_memories(load(seed) if seed else None, [load(latest[w]) for w in sorted(latest)])
+    path = path.resolve()  # through a symlink: its target is replaced, the link stays
     fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.")
     os.close(fd)
     try:

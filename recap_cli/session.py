@@ -87,11 +87,12 @@ class Session:
     def save_memory(self, path: Path) -> bool:
         """Write everything that makes a later run warm (the drafter's ``state()``), atomically: a fixed temp
         name + rename, so a kill mid-save leaves at most one temp file, which the next save replaces. False when
-        the method keeps nothing across requests."""
+        the method keeps nothing across requests. Through a symlink the file it points to is replaced (a rename
+        onto the link would replace the link)."""
         state = self.drafter.state()
         if state is None:
             return False
-        path = Path(path)
+        path = Path(path).resolve()
         tmp = path.with_name(f".{path.name}.tmp")
         _remove_stale_temps(path)
         try:

@@ -12,7 +12,7 @@ import torch
 
 from recap_cli.decoding import compat
 from recap_cli.batch import answer_all
-from recap_cli.decoding.batched import Batch, BatchEngine, Flight
+from recap_cli.decoding.batched import Batch, BatchEngine, Flight, length_groups
 from recap_cli.decoding.batched_static import StaticBatchEngine
 from recap_cli.decoding.cost import BatchCost, RowShare, SizeChooser, batch_width
 from recap_cli.drafters import RecapDrafter
@@ -279,3 +279,37 @@ def test_the_static_shape_variant_equals_batch_one(get_adapter, arch, tmp_path):
 def test_the_static_variant_refuses_sliding_windows(get_adapter):
     with pytest.raises(ValueError, match="sliding windows"):
         StaticBatchEngine(get_adapter("gemma3"), max_batch=2)
+
+
+def test_length_groups_bound_every_rows_padding_in_few_groups():
+    lengths = [2046, 30, 40, 100, 12, 130, 300, 64, 2000]
+    groups = length_groups(lengths)
+    assert groups == [[0, 8], [1, 2, 3, 4, 7], [5], [6]]  # in order of their first prompt, each in input order
+    for g in groups:
+        held = [max(lengths[i], 64) for i in g]  # under 64 tokens a prompt counts as 64
+        assert max(held) <= 2 * min(held)
+    assert length_groups([50] * 16) == [list(range(16))]  # like prompts: still one prefill
+    assert length_groups([10, 500, 20], factor=100.0) == [[0, 1, 2]] and length_groups([]) == []
+
+
+@pytest.mark.parametrize("method", ["ar", "recap"])
+def test_a_long_prompt_prefills_apart_and_every_token_stays(get_adapter, tmp_path, monkeypatch, method):
+    """A long prompt first among short ones: no joint prefill pads a short row to its length, and every
+    request's tokens equal batch 1's."""
+    adapter = get_adapter("text")
+    reqs = stream("text", tmp_path, 8)
+    reqs[0].turns = ["a very long question " * 15]  # 242 tokens; the others 17-51
+    knobs = {"budget": 8} if method == "recap" else {}  # a fixed budget: no costs measured on copies of a prompt
+    want = [tokens for _, tokens in run(Session(adapter, method, **knobs), reqs)]
+    joined: list[list[int]] = []
+    real_join = BatchEngine.join
+
+    def join(self, prompts, want_rows=False):
+        joined.append([p.length for p in prompts])
+        return real_join(self, prompts, want_rows)
+
+    monkeypatch.setattr(BatchEngine, "join", join)
+    out = run(Session(adapter, method, batch=5, **knobs), reqs)
+    assert [tokens for _, tokens in out] == want
+    assert any(len(g) > 1 for g in joined) and any(max(g) > 200 for g in joined)
+    assert all(max(g) <= 2 * max(min(g), 64) for g in joined), joined

@@ -10,9 +10,11 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from recap_cli import cli
-from recap_cli.compare import Measurement, parse_method, quantile, run, summarize
+from recap_cli import compare as comparison
+from recap_cli.compare import Measurement, failures, parse_method, quantile, run, summarize
 from recap_cli.decoding.engine import Generation
 from recap_cli.records import Request
+from recap_cli.report import markdown
 
 from .conftest import make_image
 
@@ -136,3 +138,92 @@ def test_compare_cli_on_a_tiny_model_writes_every_report(model_dirs, tmp_path):
     assert data["summary"]["all"]["recap:orders=1"]["match_rate"] == 1.0
     assert "| recap |" in (tmp_path / "rep" / "report.md").read_text()
     assert Image.open(tmp_path / "rep" / "speedups.png").size[0] == 900
+
+
+# --- pairs by input, never by id; failures named and fatal ------------------------------------------------------
+
+STATS = ("mean_speedup", "total_speedup", "wall_speedup", "p10", "p50", "p90")
+
+
+class TimedSession(FakeSession):
+    """Each question takes its own time (seconds[q]), scaled per method: inputs differ, methods by a factor."""
+
+    def __init__(self, method, times, scale=1.0):
+        super().__init__(method, [], 0.0)
+        self.times, self.scale = times, scale
+
+    def answer(self, messages, images, max_new_tokens):
+        self.seconds = self.times[messages[-1]["content"]] * self.scale
+        return super().answer(messages, images, max_new_tokens)
+
+
+def test_repeated_ids_pair_each_input_with_the_baselines_measurement_of_the_same_input():
+    times = {"q0": 1.0, "q1": 3.0, "q2": 0.5, "q3": 7.0}
+    reqs = [Request(line=1, id="same", turns=["q0"], dataset="A"), Request(line=2, id="same", turns=["q1"],
+                                                                            dataset="A"),
+            Request(line=1, id="same", turns=["q2"], dataset="B"), Request(line=2, id=2, turns=["q3"], dataset="B")]
+    sessions = {"ar": TimedSession("ar", times), "fast": TimedSession("fast", times, scale=0.5)}
+    rows = run(sessions, reqs, "ar", "fake", 8, warmup=0)
+    assert [r.input for r in rows if r.method == "ar"] == [0, 1, 2, 3]
+    summary = summarize(rows, "ar")
+    for dataset in ("A", "B", "all"):
+        assert all(summary[dataset]["ar"][k] == 1.0 for k in STATS), summary[dataset]["ar"]
+        assert summary[dataset]["fast"]["speedups"] == [2.0] * (4 if dataset == "all" else 2)
+
+
+def test_failures_name_the_methods_that_failed_where_another_answered():
+    rows = [m("a", "ar", 10, 1.0), m("a", "x", 10, 0.5), Measurement(id="bad", dataset="d", method="ar", error="e"),
+            Measurement(id="bad", dataset="d", method="x", error="e"), m("c", "ar", 10, 1.0),
+            Measurement(id="c", dataset="d", method="x", error="boom")]
+    failed, uneven = failures(rows)
+    assert {k: [r.id for r in v] for k, v in failed.items()} == {"ar": ["bad"], "x": ["bad", "c"]}
+    assert uneven == {"x": 1}
+    assert failures(rows[:4])[1] == {}  # a line every method failed on is no method's fault
+
+
+def test_compare_cli_names_a_failed_input_exits_1_and_scores_the_baseline_1_with_repeated_ids(
+        model_dirs, tmp_path, monkeypatch):
+    real = comparison.make_session
+
+    def make(adapter, spec, batch=1):  # recap fails on one input that ar answers
+        session = real(adapter, spec, batch)
+        if spec == "recap":
+            answer = session.answer
+
+            def failing(messages, images, n):
+                if "boom" in str(messages[-1]["content"]):
+                    raise RuntimeError("out of memory (injected)\nsecond line")
+                return answer(messages, images, n)
+
+            session.answer = failing
+        return session
+
+    monkeypatch.setattr(comparison, "make_session", make)
+    # Repeated ids within a file and across files; the bad line takes its number (2) as id, which line 3 repeats.
+    a = [b'{"id": 2, "prompt": "Tell me about the sea."}', b"{not json", b'{"id": 2, "prompt": "Why boom today?"}',
+         b'{"id": 7, "prompt": "Name three colours and a shape."}']
+    b = [b'{"id": 2, "prompt": "Count to five slowly."}', b'{"id": 7, "prompt": "Describe a quiet morning."}']
+    (tmp_path / "a.jsonl").write_bytes(b"\n".join(a) + b"\n")
+    (tmp_path / "b.jsonl").write_bytes(b"\n".join(b) + b"\n")
+    args = ["compare", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--model", str(model_dirs["text"]),
+            "--methods", "recap", "--max-new-tokens", "8", "--json", str(tmp_path / "cmp.json")]
+    result = CliRunner().invoke(cli.app, args)
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 1, result.stderr
+    assert "recap failed on 2 of 6 inputs (1 answered by another method)" in said
+    assert "a line 3 (id 2): RuntimeError: out of memory (injected)" in said and "second line" not in said
+    assert "ar failed on 1 of 6 inputs (every method failed on them)" in said and "a line 2 (id 2): line 2" in said
+    assert "speedup over ar" in said  # the table is printed all the same
+    data = orjson.loads((tmp_path / "cmp.json").read_bytes())
+    for dataset in ("a", "b", "all"):
+        assert all(data["summary"][dataset]["ar"][k] == 1.0 for k in STATS), data["summary"][dataset]["ar"]
+    assert [r["input"] for r in data["rows"] if r["method"] == "ar"] == [0, 1, 2, 3, 4, 5]
+    allowed = CliRunner().invoke(cli.app, [*args, "--allow-failures"])
+    assert allowed.exit_code == 0 and "speedup over ar" in allowed.stderr, allowed.stderr
+    assert "recap failed on 2 of 6 inputs" in " ".join(allowed.stderr.split())
+
+
+def test_the_markdown_report_counts_failed_inputs():
+    rows = [m("a", "ar", 10, 1.0), m("a", "x", 10, 0.5), m("b", "ar", 10, 1.0),
+            Measurement(id="b", dataset="d", method="x", error="boom")]
+    assert "- `x` failed on 1 of 2 inputs (left out of the statistics)" in markdown(summarize(rows, "ar"), "ar")

@@ -141,3 +141,21 @@ def test_merge_prefers_written_rows_then_the_most_confident():
     assert alone["calibration"]["hits"].equal(a["state"]["calibration"]["hits"])
     with pytest.raises(ValueError, match="cannot be merged"):
         scale.merge_memories(None, [a, {**b, "model": "other/6"}])
+
+
+def test_a_usage_error_before_the_first_record_leaves_the_output_untouched(inputs, tmp_path, monkeypatch):
+    """Checked before Ray starts: a bad fault-injection knob fails like every usage error, after -o was named."""
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"id": "kept"}\n')
+    monkeypatch.setenv(scale.FAULT_ENV, "many")
+    result = ray_run(inputs, "-o", out)
+    assert result.exit_code == 2 and scale.FAULT_ENV in result.stderr, result.stderr
+    assert out.read_bytes() == b'{"id": "kept"}\n'
+
+
+def test_workers_that_cannot_load_the_model_leave_the_output_untouched(ray_local, inputs, tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"id": "kept"}\n')
+    result = invoke(["run", inputs, "--model", tmp_path / "no" / "model", "--ray", "auto", "-o", out])
+    assert result.exit_code == 2 and "unknown model" in result.stderr, result.stderr
+    assert out.read_bytes() == b'{"id": "kept"}\n'

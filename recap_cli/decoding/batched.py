@@ -225,6 +225,27 @@ def padded_tree_cells(tree: Tree, width: int, row: int, column: int, rows: list[
     return depth
 
 
+# A joint prefill pads every prompt to the group's longest: a row pays at most PAD_FACTOR times its own length
+# (prompts under PAD_FLOOR tokens count as PAD_FLOOR: that short, one pass costs about the same whatever the
+# length, and fewer passes are what saves time).
+PAD_FACTOR, PAD_FLOOR = 2.0, 64
+
+
+def length_groups(lengths: list[int], factor: float = PAD_FACTOR, floor: int = PAD_FLOOR) -> list[list[int]]:
+    """Indices of prompts grouped for joint prefills: in each group the longest is at most ``factor`` times the
+    shortest (both held to at least ``floor``), in as few groups as that allows (cut greedily along the sorted
+    lengths). Groups come in the order of their first prompt, each in input order."""
+    groups: list[list[int]] = []
+    shortest = 0.0
+    for i in sorted(range(len(lengths)), key=lambda j: lengths[j]):
+        size = max(lengths[i], floor)
+        if not groups or size > factor * shortest:
+            groups.append([])
+            shortest = size
+        groups[-1].append(i)
+    return sorted((sorted(g) for g in groups), key=lambda g: g[0])
+
+
 @dataclass
 class Flight:
     """One request turn decoding in the batch."""
@@ -264,21 +285,27 @@ class Batch:
         return len(self.flights)
 
     def add(self, turns: list[tuple[Hashable, Prompt, int]]) -> list[Outcome]:
-        """Prefill these turns together and let them join (at most the free rows). Turns whose first token
-        already ends them leave at once, and are returned; so are turns that failed. If the joint prefill
-        fails (one huge input out of memory), each is tried alone, so only the culprit fails."""
+        """Prefill these turns and let them join (at most the free rows), those of like prompt lengths together
+        (``length_groups``: one long prompt prefills alone, never padding the short ones to its length). Turns
+        whose first token already ends them leave at once, and are returned; so are turns that failed. If a
+        joint prefill fails (one huge input out of memory), each of its turns is tried alone, so only the
+        culprit fails."""
         if len(turns) > self.size - len(self.flights):
             raise ValueError(f"{len(turns)} turns cannot join: {self.size - len(self.flights)} rows are free")
         if not turns:
             return []
         if self.drafter.wants_costs and not self.engine.cost.measured:  # once per engine, on the first prompt
             self.engine.measure_costs(turns[0][1])
+        groups = length_groups([prompt.length for _, prompt, _ in turns])
+        return [out for group in groups for out in self._add_group([turns[i] for i in group])]
+
+    def _add_group(self, turns: list[tuple[Hashable, Prompt, int]]) -> list[Outcome]:
         try:
             return self._join(turns)
-        except Exception as exc:  # noqa: BLE001 - see the docstring
+        except Exception as exc:  # noqa: BLE001 - see add()
             if len(turns) == 1:
                 return [(turns[0][0], exc)]
-            return [out for turn in turns for out in self.add([turn])]
+            return [out for turn in turns for out in self._add_group([turn])]
 
     def _join(self, turns: list[tuple[Hashable, Prompt, int]]) -> list[Outcome]:
         for _, _, limit in turns:

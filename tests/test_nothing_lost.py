@@ -1,0 +1,126 @@
+"""Nothing lost at any moment: a resume's cut of a torn tail, a signal during the final memory save, a memory
+file reached through a symlink."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Runs records.answered() on argv[1] in a fresh process that kills itself with SIGKILL at the first call that
+# changes a file (write, truncate), just before it (argv[2] == "before") or just after it returns ("after"):
+# wherever the cut happens, whatever way it is done.
+KILL_IN_CUT = """
+import os, signal, sys
+from pathlib import Path
+from recap_cli import records
+
+event = {"before": "c_call", "after": "c_return"}[sys.argv[2]]
+
+def profile(frame, what, arg):
+    if what == event and getattr(arg, "__name__", "") in ("write", "truncate", "ftruncate", "writelines"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+sys.setprofile(profile)
+records.answered(Path(sys.argv[1]))
+sys.setprofile(None)
+print("the file was never changed")
+"""
+
+
+def python(code: str, *args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, env=env, capture_output=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_kill_during_the_cut_of_a_torn_tail_keeps_every_whole_record(tmp_path, when):
+    out = tmp_path / "out.jsonl"
+    whole = b"".join(orjson.dumps({"id": i, "line": i + 1, "answer": "x" * 200}) + b"\n" for i in range(2000))
+    out.write_bytes(whole + b'{"id": 2000, "li')  # a crash mid-line
+    done = python(KILL_IN_CUT, out, when)
+    assert done.returncode == -signal.SIGKILL, (done.stdout, done.stderr)  # the cut was reached, and killed
+    left = out.read_bytes()
+    assert left in (whole, whole + b'{"id": 2000, "li'), len(left)  # untouched, or cut to its last whole line
+
+
+def test_the_cut_reads_each_record_once_and_keeps_the_keys(tmp_path):
+    from recap_cli.records import answered
+
+    out = tmp_path / "out.jsonl"
+    recs = [{"id": "a", "line": 1}, {"id": 7, "line": 2}, {"id": "old"}, {"id": "b", "line": 4}]
+    out.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in recs) + b"\n" + b'{"id": "c", "line": 5')
+    keys, unnumbered = answered(out)
+    assert keys == {(1, b'"a"'), (2, b"7"), (4, b'"b"')} and unnumbered == 1
+    assert out.read_bytes().endswith(orjson.dumps(recs[-1]) + b"\n\n")
+    assert answered(out) == (keys, unnumbered)  # whole already: nothing more is cut
+
+
+# --- the final memory save: whatever signal arrives, it finishes, the summary is written, no temp file stays --
+
+# `recap run` in a fresh process whose memory save is hit by a signal (argv[1]) after the temp file is written
+# and before the rename: the deterministic middle of the save.
+SIGNAL_IN_SAVE = """
+import os, signal, sys
+import torch
+
+real, kind = torch.save, getattr(signal, sys.argv[1])
+
+def save(*args, **kw):
+    real(*args, **kw)
+    os.kill(os.getpid(), kind)
+
+torch.save = save
+sys.argv = ["recap", *sys.argv[2:]]
+from recap_cli.cli import app
+app()
+"""
+
+
+def jsonl(*records) -> bytes:
+    return b"".join(orjson.dumps(r) + b"\n" for r in records)
+
+
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_during_the_memory_save_waits_for_it_and_the_summary(model_dirs, tmp_path, sig, code):
+    src, mem, summary = tmp_path / "in.jsonl", tmp_path / "mem.pt", tmp_path / "summary.json"
+    src.write_bytes(jsonl(*[{"id": i, "prompt": f"Question {i}?"} for i in range(3)]))
+    done = python(SIGNAL_IN_SAVE, sig, "run", src, "--model", model_dirs["text"], "--memory", mem, "--summary",
+                  summary, "--max-new-tokens", 4, "--batch", 2)
+    stderr = done.stderr.decode()
+    assert done.returncode == code, stderr
+    assert [orjson.loads(x)["id"] for x in done.stdout.splitlines()] == [0, 1, 2]
+    assert "memory saved" in stderr and "Traceback" not in stderr
+    s = orjson.loads(summary.read_bytes())
+    assert s["items"] == 3 and s["interrupted"] is True
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "mem.pt", "summary.json"]  # no temp file
+    from recap_cli.models import load
+    from recap_cli.session import Session
+
+    Session(load(model_dirs["text"], device="cpu"), "recap").load_memory(mem)  # a whole memory file
+
+
+def test_memory_through_a_symlink_updates_its_target_and_the_link_stays(get_adapter, tmp_path):
+    from recap_cli import safety
+    from recap_cli.session import Session
+
+    (tmp_path / "store").mkdir()
+    target, link = tmp_path / "store" / "mem.pt", tmp_path / "mem.pt"
+    target.write_bytes(b"an older memory")
+    link.symlink_to(target)
+    session = Session(get_adapter("text"), "recap")
+    session.answer([{"role": "user", "content": "Fill the memory a little."}], [], 8)
+    assert safety.unwritable(link, "--memory", atomic=True) is None
+    assert session.save_memory(link)
+    assert link.is_symlink() and link.resolve() == target
+    Session(get_adapter("text"), "recap").load_memory(target)  # the target holds the new memory
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mem.pt", "store"]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["mem.pt"]  # no temp file beside the target
