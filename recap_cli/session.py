@@ -18,7 +18,7 @@ from .drafters import Drafter, make_drafter
 from .decoding.engine import Engine, Generation, generate
 from .records import first_line
 
-MEMORY_FORMAT, MEMORY_VERSION = "recap-memory", 2
+MEMORY_FORMAT, MEMORY_VERSION = "recap-memory", 3  # 3: RECAP keeps the stream memory
 
 
 class MemoryFileError(ValueError):

@@ -31,10 +31,15 @@ ROOT = 0
 
 
 class SuffixTree:
-    def __init__(self, depth: int = 24):
+    """``ordered``: keep every node's children in the reference's order as counts change (what SuffixDecoding's
+    drafts depend on); otherwise children are sorted by count only when read (``ranked``), which makes appending
+    cheaper where the order of equal counts does not matter."""
+
+    def __init__(self, depth: int = 24, ordered: bool = True):
         if not 1 <= depth < SPAN:
             raise ValueError(f"depth is 1..{SPAN - 1}")
-        self.depth = depth
+        self.depth, self.ordered = depth, ordered
+        self.dirty: set[int] = set()  # unordered: nodes whose children's counts changed since last sorted
         self.count: list[int] = [0]
         self.kids: list[dict[int, int]] = [{}]  # token -> node (>= 0) or ~leaf
         self.toks: list[list[int]] = [[]]  # children's tokens, decreasing count (the root's are not kept)
@@ -70,7 +75,7 @@ class SuffixTree:
         seq.append(token)
         old = self.active[sid]
         new = [0] * min(len(old) + 1, self.depth)
-        count, kids = self.count, self.kids
+        count, kids, last, ordered, dirty = self.count, self.kids, self.last, self.ordered, self.dirty
         for length in range(len(new) - 1, -1, -1):  # longest first, as the reference walks its suffixes
             pos = old[length - 1] if length else ROOT
             if pos < 0:  # its own leaf: the chain is the sequence itself, so it grows by itself
@@ -82,8 +87,13 @@ class SuffixTree:
                 continue
             if child < 0:
                 child = self._materialize(pos, token, ~child)
-            self._increment(pos, token, child)
-            self.last[child] = sid
+            if ordered:
+                self._increment(pos, token, child)
+            else:  # the count alone; the order is restored when read
+                count[child] += 1
+                if pos:
+                    dirty.add(pos)
+            last[child] = sid
             new[length] = child
         count[ROOT] += 1
         self.active[sid] = new
@@ -168,6 +178,9 @@ class SuffixTree:
         self.count[child] = c + 1
         if parent == ROOT:
             return
+        if not self.ordered:
+            self.dirty.add(parent)
+            return
         toks, negc = self.toks[parent], self.negc[parent]
         i = bisect_left(negc, -c)
         while toks[i] != token:
@@ -185,6 +198,9 @@ class SuffixTree:
         c = self.count[child]
         self.count[child] = c - 1
         if parent == ROOT:
+            return
+        if not self.ordered:
+            self.dirty.add(parent)
             return
         toks, negc = self.toks[parent], self.negc[parent]
         i = bisect_left(negc, -c)
@@ -209,6 +225,7 @@ class SuffixTree:
                 self.leaf_free.append(~ref)
                 continue
             stack.extend(self.kids[ref].values())
+            self.dirty.discard(ref)
             self.free.append(ref)
             self.kids[ref] = {}
 
@@ -236,13 +253,23 @@ class SuffixTree:
                 return None
         return pos
 
+    def ranked(self, pos: int) -> tuple[list[int], list[int]]:
+        """A node's children's tokens and minus their counts, most frequent first."""
+        if pos in self.dirty:
+            self.dirty.discard(pos)
+            kids, count = self.kids[pos], self.count
+            order = sorted(((-(count[r] if r >= 0 else 1), t) for t, r in kids.items()))
+            self.toks[pos] = [t for _, t in order]
+            self.negc[pos] = [c for c, _ in order]
+        return self.toks[pos], self.negc[pos]
+
     def occurrences(self, pos: int) -> int:
         return self.count[pos] if pos >= 0 else 1
 
     def children(self, pos: int) -> list[tuple[int, int]]:
         """(token, count) of every continuation, most frequent first (ties in the reference's order)."""
         if pos >= 0:
-            return [(t, -c) for t, c in zip(self.toks[pos], self.negc[pos])]
+            return [(t, -c) for t, c in zip(*self.ranked(pos))]
         leaf, k = divmod(~pos, SPAN)
         at = self.leaf_pos[leaf] + k
         seq = self.seqs[self.leaf_seq[leaf]]
