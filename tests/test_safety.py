@@ -329,9 +329,9 @@ def test_the_drafter_state_survives_a_save_and_load(get_adapter, method, tmp_pat
     fresh.load_memory(tmp_path / "m.pt")
     saved, loaded = session.drafter.state(), fresh.drafter.state()
     flat = lambda s: {(k, j): v for k, d in s.items() if d is not None for j, v in d.items()}  # noqa: E731
-    # recap: order-1 ids/probs, calibration and continuation hits/tries, the stream memory's tokens, lengths and
+    # recap: order-1 ids/probs, calibration, continuation and placed hits/tries, the stream memory's tokens, lengths and
     # segments; tr: its table; pld: its chain chances
-    assert flat(saved).keys() == flat(loaded).keys() and len(flat(saved)) == {"recap": 9, "tr": 2, "pld": 2}[method]
+    assert flat(saved).keys() == flat(loaded).keys() and len(flat(saved)) == {"recap": 11, "tr": 2, "pld": 2}[method]
     assert all(torch.equal(flat(saved)[k], flat(loaded)[k]) for k in flat(saved))
     if method != "pld":
         assert (session.drafter.order1 if method == "recap" else session.drafter.table).filled() > 5

@@ -142,3 +142,45 @@ class StreamCalibration(Counts):
         row, b = 2 * match_bucket(m) + (rank > 0), bucket(share)
         self.tries[row][b] += 1
         self.hits[row][b] += hit
+
+
+PLACED_EDGES = tuple(i / 10 for i in range(1, 10))  # a lane's chance -> bucket 0..9
+
+
+class PlacedCalibration(Counts):
+    """The second look: P(a node placed in the tree is accepted | its parent was) per (lane: the most specific
+    recycled order behind it, or the stream; bucket of the chance its lane gave it). The lanes' estimates are
+    learned over every candidate of an accepted node, but a tree keeps only the candidates that looked best, and
+    those are the overrated ones (a winner's curse: the benchmarks/calibration.py table showed recycled nodes at
+    a predicted 0.9-1.0 accepted 42% of the time). This maps each lane's chance to what placed nodes with that
+    chance turned out to be worth, bucket by bucket, starting at the lane's own figure (``prior``
+    observations)."""
+
+    LANES = 4  # recycled with order 1 / 2 / 3 rows present, stream
+
+    def __init__(self, prior: float = 8.0):
+        self.prior = prior
+        super().__init__(self.LANES, len(PLACED_EDGES) + 1)
+
+    @staticmethod
+    def bucket(p: float) -> int:
+        return min(int(p * 10), 9) if p > 0 else 0
+
+    def coefficients(self) -> list[list[tuple[float, float]]]:
+        """a + b * p per (lane, bucket): the mapped chance is a + b * (the lane's chance)."""
+        if self._coefficients is None:
+            prior = self.prior
+            self._coefficients = [[(h / (t + prior), prior / (t + prior)) for h, t in zip(hs, ts)]
+                                  for hs, ts in zip(self.hits, self.tries)]
+        return self._coefficients
+
+    def bound(self) -> float:
+        """An upper bound on the mapped chance of any lane chance <= 1 (for nodes not yet mixed)."""
+        return min(1.0, max(a + b * min(1.0, (j + 1) / 10) for row in self.coefficients()
+                            for j, (a, b) in enumerate(row)))
+
+    def record(self, lane: int, p: float, hit: bool) -> None:
+        b = self.bucket(p)
+        self.tries[lane][b] += 1
+        self.hits[lane][b] += hit
+        self._coefficients = None

@@ -32,7 +32,7 @@ from operator import itemgetter
 
 from ..decoding.tree import Rows, Source, Tree, Verified
 from .base import Drafter
-from .calibration import Calibration, StreamCalibration
+from .calibration import Calibration, PlacedCalibration, StreamCalibration
 from .memory import KeyedMemory, Row, TokenTable, check_table
 from .stream import Cursor, StreamMemory
 
@@ -80,6 +80,7 @@ class RecapDrafter(Drafter):
         self.calibration = Calibration(self.width, depths=depths) if calibrate else None
         self.stream = StreamMemory(self.banned, stream_depth, stream_requests)  # shared by every row of a batch
         self.continuation = StreamCalibration()  # the stream lane's chances, learned with or without calibrate
+        self.placed = PlacedCalibration() if calibrate else None  # what placed nodes' chances turn out to be
         self.own_request_state()
 
     def own_request_state(self) -> None:
@@ -87,6 +88,8 @@ class RecapDrafter(Drafter):
         self.keyed = {2: KeyedMemory(self.cap), 3: KeyedMemory(self.cap)}
         self._mixed: dict[tuple[int, ...], tuple[list[Row], Candidates]] = {}  # mixtures of several rows
         self.index = Cursor()  # where this request's text goes in the stream memory
+        self.chances = [1.0]  # the last tree's path chances, node by node (what calibration checks read)
+        self._lanes: list[tuple[int, float]] = []  # the last tree's nodes' (lane, lane chance), in tree order
         self._tail: tuple[int, ...] = ()
         # Nodes whose candidates the last tree drafted from: (tree index, mixed candidates, stream candidates or
         # None, the stream match length there, the candidates' depth); observe() grades them where the node was
@@ -122,6 +125,13 @@ class RecapDrafter(Drafter):
     def observe(self, tree: Tree, verified: Verified) -> None:
         self._store_rows(verified.rows, self._node_keys(tree), verified.accepted_last(len(tree)))
         self._grade(verified)
+        if self.placed is not None and len(self._lanes) == len(tree):
+            accepted = set(verified.path)
+            parents = tree.parents
+            for i in range(1, len(tree)):
+                if parents[i] in accepted:  # a fair test of the node's own chance
+                    lane, p = self._lanes[i]
+                    self.placed.record(lane, p, i in accepted)
 
     def _grade(self, verified: Verified) -> None:
         """Every candidate of an accepted node was put to the test: it passed iff it is the argmax there."""
@@ -179,24 +189,32 @@ class RecapDrafter(Drafter):
         self.continuation.clear()
         if self.calibration is not None:
             self.calibration.clear()
+            self.placed.clear()
 
     def state(self) -> dict:
         """The order-1 table, the stream memory and the learned chances (recycled rows, stream continuations):
         orders 2/3 reset per request."""
         calibration = self.calibration.state() if self.calibration is not None else None
+        placed = self.placed.state() if self.placed is not None else None
         return {"order1": self.order1.state(), "calibration": calibration, "continuation": self.continuation.state(),
-                "stream": self.stream.state()}
+                "placed": placed, "stream": self.stream.state()}
 
     def load_state(self, state: dict) -> None:
-        if not isinstance(state, dict) or set(state) != {"order1", "calibration", "continuation", "stream"}:
-            raise ValueError("a RECAP memory holds exactly 'order1', 'calibration', 'continuation' and 'stream'")
+        if not isinstance(state, dict) or set(state) != {"order1", "calibration", "continuation", "placed", "stream"}:
+            raise ValueError("a RECAP memory holds exactly 'order1', 'calibration', 'continuation', 'placed' and "
+                             "'stream'")
         check_table(state["order1"], self.order1.vocab_size)  # all checks first: a failure changes nothing
         self.continuation.check_state(state["continuation"])
         self.stream.check_state(state["stream"], self.vocab_size)
         use_calibration = state["calibration"] is not None and self.calibration is not None
+        use_placed = state["placed"] is not None and self.placed is not None
+        if use_placed:
+            self.placed.check_state(state["placed"])
         if use_calibration:
             self.calibration.check_state(state["calibration"])
             self.calibration.load_state(state["calibration"])
+        if use_placed:
+            self.placed.load_state(state["placed"])
         self.continuation.load_state(state["continuation"])
         self.order1.load_state(state["order1"])
         self.stream.load_state(state["stream"])
@@ -306,8 +324,21 @@ class RecapDrafter(Drafter):
 
         return chance
 
+    def _mapped(self):
+        """The placed-node calibration as a closure: a lane's chance -> what such nodes turned out to be worth."""
+        if self.placed is None:
+            return lambda lane, p: p
+        co = self.placed.coefficients()
+
+        def mapped(lane: int, p: float) -> float:
+            a, b = co[lane][min(int(p * 10), 9) if p > 0 else 0]
+            return a + b * p
+
+        return mapped
+
     def rest(self, context: list[int]) -> Tree:
         self._write(context)
+        self._lanes = []
         self._tail, self._tested = tuple(context[-3:]), []  # observe() keys the root's row by the tail
         return Tree.root(context[-1])
 
@@ -325,12 +356,13 @@ class RecapDrafter(Drafter):
         self._write(context)
         self._tail = tail = tuple(context[-3:])
         max_depth = min(self.depth, room)
-        chance, bound = self._chance(), self.calibration.first_child_bound() if self.calibration is not None else 1.0
+        chance, mapped = self._chance(), self._mapped()
+        bound = self.placed.bound() if self.placed is not None else 1.0
         stream_chance = self.continuation.chance
         tree_s = self.stream.tree
         here = set(self.index.segs) if self.index.segs is not None else ()
         spos, m = self._match() if self.suffix and max_depth > 0 else (None, 0)
-        tokens, parents, sources, chances = [context[-1]], [-1], [Source.ROOT], [1.0]
+        tokens, parents, sources, chances, lanes = [context[-1]], [-1], [Source.ROOT], [1.0], [(0, 1.0)]
         # The root's rows are always mixed: its candidates are graded every step, even when the tree stays a root.
         keys, depths, cands = [tail], [0], [self.mix(tail) if max_depth > 0 else NO_CANDIDATES]
         stream_pos = [spos]
@@ -338,10 +370,16 @@ class RecapDrafter(Drafter):
         children: dict[tuple[int, int], int] = {}
         # (-chance, node, what): what >= 0 places the rank-`what` candidate of cands[node]; what <= STREAM places
         # the stream candidate of rank STREAM - what; MIX mixes node's rows (its chance there is an upper bound).
-        frontier: list[tuple[float, int, int]] = [(-chance(0, cands[0][1][0], 1), 0, 0)] if cands[0][0] else []
+        # Each entry also carries the lane (its most specific recycled order - 1, or 3: the stream) and the chance
+        # the lane gave it, which the placed-node calibration maps and later grades.
+        frontier: list[tuple[float, int, int, int, float]] = []
+        if cands[0][0]:
+            raw, lane = chance(0, cands[0][1][0], 1), cands[0][2][0][0] - 1
+            frontier.append((-mapped(lane, raw), 0, 0, lane, raw))
         if streamed[0] is not None:
             toks0, negc0, total0 = streamed[0]
-            frontier.append((-stream_chance(m, -negc0[0] / total0, 0), 0, STREAM))
+            raw = stream_chance(m, -negc0[0] / total0, 0)
+            frontier.append((-mapped(3, raw), 0, STREAM, 3, raw))
             heapq.heapify(frontier)
         sizer = self.cost.chooser() if self.wants_costs else None
         budget = self.budget
@@ -352,26 +390,27 @@ class RecapDrafter(Drafter):
                     break
             elif len(tokens) > budget:
                 break
-            neg, parent, what = pop(frontier)
+            neg, parent, what, lane, raw = pop(frontier)
             if what == MIX:
                 cands[parent] = found = self.mix(keys[parent])
                 if found[0]:
-                    push(frontier, (-chances[parent] * chance(0, found[1][0], depths[parent] + 1), parent, 0))
+                    r, ln = chance(0, found[1][0], depths[parent] + 1), found[2][0][0] - 1
+                    push(frontier, (-chances[parent] * mapped(ln, r), parent, 0, ln, r))
                 continue
             if what >= 0:
                 ranked, probs, found = cands[parent]
                 token = ranked[what]
                 source = ORDER_SOURCE[found[0][0]] if len(found) == 1 else _origin(found, token)
                 if what + 1 < len(ranked):
-                    push(frontier, (-chances[parent] * chance(what + 1, probs[what + 1], depths[parent] + 1),
-                                    parent, what + 1))
+                    r = chance(what + 1, probs[what + 1], depths[parent] + 1)
+                    push(frontier, (-chances[parent] * mapped(lane, r), parent, what + 1, lane, r))
             else:
                 rank = STREAM - what
                 toks_s, negc_s, total_s = streamed[parent]
                 token = toks_s[rank]
                 if rank + 1 < min(STREAM_RANKS, len(toks_s)):
-                    push(frontier, (-chances[parent] * stream_chance(m + depths[parent], -negc_s[rank + 1] / total_s,
-                                                                     rank + 1), parent, what - 1))
+                    r = stream_chance(m + depths[parent], -negc_s[rank + 1] / total_s, rank + 1)
+                    push(frontier, (-chances[parent] * mapped(3, r), parent, what - 1, 3, r))
                 if token in self.banned:
                     continue
                 source = None
@@ -387,6 +426,7 @@ class RecapDrafter(Drafter):
             parents.append(parent)
             sources.append(source)
             chances.append(-neg)
+            lanes.append((lane, raw))
             keys.append((keys[parent] + (token,))[-3:])
             d = depths[parent] + 1
             depths.append(d)
@@ -395,9 +435,10 @@ class RecapDrafter(Drafter):
             s = self._streamed(sp, False) if sp is not None and d < max_depth and d < self.suffix_len else None
             streamed.append(s)
             if d < max_depth:
-                push(frontier, (neg * bound, i, MIX))
+                push(frontier, (neg * bound, i, MIX, 0, 0.0))
                 if s is not None:
-                    push(frontier, (neg * stream_chance(m + d, -s[1][0] / s[2], 0), i, STREAM))
+                    r = stream_chance(m + d, -s[1][0] / s[2], 0)
+                    push(frontier, (neg * mapped(3, r), i, STREAM, 3, r))
             if sizer is not None:
                 sizer.place(-neg)
         n = sizer.size if sizer is not None else len(tokens)
@@ -405,6 +446,11 @@ class RecapDrafter(Drafter):
         self._tested = [(where[i], cands[i], streamed[i], m + depths[i], depths[i] + 1) for i in range(n)
                         if cands[i][0] or streamed[i] is not None]
         self.grown = len(tokens)
+        self.chances = [0.0] * n  # each tree node's estimated path chance, for calibration checks
+        self._lanes = [(0, 1.0)] * n
+        for i in range(n):
+            self.chances[where[i]] = chances[i]
+            self._lanes[where[i]] = lanes[i]
         return tree
 
 
