@@ -174,10 +174,10 @@ class PlacedCalibration(Counts):
                                   for hs, ts in zip(self.hits, self.tries)]
         return self._coefficients
 
-    def bound(self) -> float:
-        """An upper bound on the mapped chance of any lane chance <= 1 (for nodes not yet mixed)."""
-        return min(1.0, max(a + b * min(1.0, (j + 1) / 10) for row in self.coefficients()
-                            for j, (a, b) in enumerate(row)))
+    def bound(self, most: float = 1.0) -> float:
+        """An upper bound on the mapped chance of any lane chance <= ``most`` (for nodes not yet mixed)."""
+        return min(1.0, max(a + b * min(most, (j + 1) / 10) for row in self.coefficients()
+                            for j, (a, b) in enumerate(row) if j / 10 <= most))
 
     def record(self, lane: int, p: float, hit: bool) -> None:
         b = self.bucket(p)

@@ -357,7 +357,8 @@ class RecapDrafter(Drafter):
         self._tail = tail = tuple(context[-3:])
         max_depth = min(self.depth, room)
         chance, mapped = self._chance(), self._mapped()
-        bound = self.placed.bound() if self.placed is not None else 1.0
+        bound = 1.0 if self.calibration is None else self.calibration.first_child_bound()
+        bound = self.placed.bound(bound) if self.placed is not None else bound
         stream_chance = self.continuation.chance
         tree_s = self.stream.tree
         here = set(self.index.segs) if self.index.segs is not None else ()
