@@ -196,3 +196,24 @@ def test_batch_rows_share_the_stream_memory_and_own_their_place_in_it():
     a.propose([1, 2, 30, 31, 32, 33, 34], room=20)  # row a's answer so far, while b decodes beside it
     tree = b.propose([3, 4, 30, 31], room=20)
     assert tree.tokens[1:4] == [32, 33, 34] and set(tree.sources[1:4]) == {Source.STREAM}
+
+
+def test_workers_stream_memories_merge_into_the_seed_then_each_workers_requests():
+    from recap_cli.drafters.stream import merge_states
+
+    def memory(*requests):
+        m = StreamMemory(max_requests=3)
+        for text in requests:
+            m.write(m.begin(), text)
+        return m
+
+    seed = memory([1, 2], [3, 4])
+    a = memory([1, 2], [3, 4], [5, 6])  # grew from the seed
+    b = memory([3, 4], [7, 8], [9])  # grew from the seed and evicted its oldest request
+    merged = merge_states(seed.state(), [a.state(), b.state()])
+    back = StreamMemory(max_requests=10)
+    back.load_state(merged)
+    assert list(back.tree.seqs.values()) == [[1, 2], [3, 4], [5, 6], [7, 8], [9]]
+    small = StreamMemory(max_requests=2)  # loading bounds it: the oldest requests go first
+    small.load_state(merged)
+    assert list(small.tree.seqs.values()) == [[7, 8], [9]]

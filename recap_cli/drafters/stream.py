@@ -108,3 +108,34 @@ class StreamMemory:
                 segs.append(OPEN)
                 at += length
             seg += n
+
+
+def _requests(state: dict[str, torch.Tensor] | None) -> list[list[list[int]]]:
+    """A saved stream memory as requests of segments of tokens."""
+    if state is None:
+        return []
+    tokens, lengths = state["tokens"].tolist(), state["lengths"].tolist()
+    out, at, seg = [], 0, 0
+    for n in state["segments"].tolist():
+        segs = []
+        for length in lengths[seg: seg + n]:
+            segs.append(tokens[at: at + length])
+            at += length
+        out.append(segs)
+        seg += n
+    return out
+
+
+def merge_states(seed: dict[str, torch.Tensor] | None, states: list[dict[str, torch.Tensor]]) -> dict:
+    """Several workers' stream memories, each grown from ``seed``, as one: the seed's requests, then each worker's
+    own, worker by worker (a worker that evicted some of the seed's oldest requests still starts with the rest).
+    Loading bounds the result to the memory's request limit, oldest out first."""
+    base = _requests(seed)
+    merged = list(base)
+    for state in states:
+        mine = _requests(state)
+        drop = next(len(base) - e for e in range(len(base) + 1) if mine[: len(base) - e] == base[e:])
+        merged.extend(mine[drop:])
+    return {"tokens": torch.tensor([t for r in merged for s in r for t in s], dtype=torch.int32),
+            "lengths": torch.tensor([len(s) for r in merged for s in r], dtype=torch.int64),
+            "segments": torch.tensor([len(r) for r in merged], dtype=torch.int64)}
