@@ -364,6 +364,7 @@ class RecapDrafter(Drafter):
         here = set(self.index.segs) if self.index.segs is not None else ()
         spos, m = self._match() if self.suffix and max_depth > 0 else (None, 0)
         tokens, parents, sources, chances, lanes = [context[-1]], [-1], [Source.ROOT], [1.0], [(0, 1.0)]
+        used = [0.0]  # the path chance a node's placed children have taken of its own
         # The root's rows are always mixed: its candidates are graded every step, even when the tree stays a root.
         keys, depths, cands = [tail], [0], [self.mix(tail) if max_depth > 0 else NO_CANDIDATES]
         stream_pos = [spos]
@@ -398,6 +399,14 @@ class RecapDrafter(Drafter):
                     r, ln = chance(0, found[1][0], depths[parent] + 1), found[2][0][0] - 1
                     push(frontier, (-chances[parent] * mapped(ln, r), parent, 0, ln, r))
                 continue
+            # A node's children are exclusive (the model has one argmax there): their chances add up to at most
+            # 1. Two lanes calibrated apart can overshoot that, so a child gets at most what its better-placed
+            # siblings left, and waits its turn again at that figure.
+            left = chances[parent] - used[parent]
+            if -neg > left + 1e-12:
+                if left > 1e-9 * chances[parent]:
+                    push(frontier, (-left, parent, what, lane, raw))
+                continue
             if what >= 0:
                 ranked, probs, found = cands[parent]
                 token = ranked[what]
@@ -427,6 +436,8 @@ class RecapDrafter(Drafter):
             parents.append(parent)
             sources.append(source)
             chances.append(-neg)
+            used[parent] += -neg
+            used.append(0.0)
             lanes.append((lane, raw))
             keys.append((keys[parent] + (token,))[-3:])
             d = depths[parent] + 1
