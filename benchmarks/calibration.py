@@ -127,6 +127,9 @@ def show(label: str, out: dict) -> None:
     print(f"{'source':8s} {'chance':8s} {'tested':>7s} {'predicted':>9s} {'observed':>9s}")
     for r in out["conditional"]:
         print(f"{r['source']:8s} {r['bucket']:8s} {r['tested']:7d} {r['predicted']:9.3f} {r['observed']:9.3f}")
+    print(f"{'path chance':17s} {'nodes':>7s} {'predicted':>9s} {'observed':>9s}  (every drafted node: accepted?)")
+    for r in out["path"]:
+        print(f"{r['bucket']:17s} {r['nodes']:7d} {r['predicted']:9.3f} {r['observed']:9.3f}")
 
 
 def main() -> None:
