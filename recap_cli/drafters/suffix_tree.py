@@ -32,8 +32,9 @@ ROOT = 0
 
 class SuffixTree:
     """``ordered``: keep every node's children in the reference's order as counts change (what SuffixDecoding's
-    drafts depend on); otherwise children are sorted by count only when read (``ranked``), which makes appending
-    cheaper where the order of equal counts does not matter."""
+    drafts depend on); otherwise children are sorted by count (ties by token) only when read (``ranked``), which
+    makes appending cheaper, and the order a function of the counts alone: a tree rebuilt from the same text
+    reads the same."""
 
     def __init__(self, depth: int = 24, ordered: bool = True):
         if not 1 <= depth < SPAN:
@@ -134,6 +135,8 @@ class SuffixTree:
         if parent != ROOT:  # a new child has count 1: last in its parent's order
             self.toks[parent].append(token)
             self.negc[parent].append(-1)
+            if not self.ordered:  # ties sorted by token when read: the order is a function of the counts alone
+                self.dirty.add(parent)
         return leaf
 
     def _new_node(self) -> int:
