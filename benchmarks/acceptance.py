@@ -44,6 +44,7 @@ VARIANTS = {
     "recap-auto": ("recap", {}),  # sized by this machine's measured step costs: tokens/step depends on them
     "tr-auto": ("tr", {"budget": "auto"}),
     "pld-10": ("pld", {"budget": 10}),
+    "suffix": ("suffix", {}),  # SuffixDecoding with vLLM's defaults: sizes its own chains, no cost model
 }
 
 
@@ -92,7 +93,7 @@ def run(model: str, inputs: list[Path], variants: list[str], max_new_tokens: int
         method, knobs = VARIANTS[name]
         session = Recorder(Session(adapter, method, **knobs))
         step_costs = []
-        if costs == "h200":
+        if costs == "h200":  # every method: auto trees are sized by it, fixed ones are only costed by it
             session.session.engine.cost = h200_costs()
             step_costs = _modelled_step_costs(session.session.engine)
         t0 = time.perf_counter()

@@ -2,6 +2,11 @@
 the tree mask), for trees of a given size with the memories of a real run.
 
     python benchmarks/host_time.py --model demo --budget 64 [--json runs/host_time.json]
+    python benchmarks/host_time.py --budget 64,auto --before 9edef0e   # this tree against an older commit
+
+With ``--before REF`` the same measurement runs on the drafter code of git commit REF and on this tree, each in
+its own process, alternating ``--rounds`` times, and the table gives both (medians over rounds): before and
+after from one run of the script.
 
 Runs ``recap`` over the demo bench sets once to fill its memories, recording every drafter call of the second
 half; then replays those calls (same trees, the memories as they were) ``--reps`` times and reports the median
@@ -14,15 +19,19 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import orjson
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, os.environ.get("RECAP_CODE", str(ROOT)))  # --before runs an older commit's recap_cli
 
 from recap_cli.batch import answer_with_tokens  # noqa: E402
 from recap_cli.models import load  # noqa: E402
@@ -75,45 +84,86 @@ def replay(drafter, calls, engine) -> dict[str, list[float]]:
     return out
 
 
+def measure(model: str, inputs: list[Path], budget: str, max_new_tokens: int, limit: int, reps: int,
+            method: str = "recap") -> dict:
+    """Fill the memories over the first half of the requests, record the second half's drafter calls, replay
+    them ``reps`` times: median per-step milliseconds of each part."""
+    adapter = load(model, device="cpu", dtype="fp32")
+    requests = read_requests(inputs, limit)
+    knobs = {} if method == "suffix" else {"budget": budget if budget == "auto" else int(budget)}
+    session = Session(adapter, method, **knobs)
+    half = len(requests) // 2
+    for req in requests[:half]:  # fill the memories as a real run does
+        answer_with_tokens(session, req, model, max_new_tokens)
+    frozen = copy.deepcopy(session.drafter)
+    session.drafter = Recorder(session.drafter)
+    for req in requests[half:]:
+        answer_with_tokens(session, req, model, max_new_tokens)
+    calls = session.drafter.calls
+    per_rep = [replay(copy.deepcopy(frozen), calls, session.engine) for _ in range(reps)]
+    steps = len(per_rep[0]["propose"])
+    ms = {part: 1000 * statistics.median(sum(r[part]) / steps for r in per_rep)
+          for part in ("propose", "observe", "inputs")}
+    return {"method": method, "budget": budget, "steps": steps, "nodes_per_step": statistics.mean(per_rep[0]["nodes"]),
+            "ms_per_step": ms, "drafting_ms": ms["propose"] + ms["observe"], "threads": torch.get_num_threads()}
+
+
+def checkout(ref: str) -> Path:
+    """recap_cli as it was at commit ``ref``, in a temporary folder."""
+    where = Path(tempfile.mkdtemp(prefix="recap-before-"))
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "recap_cli"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
+    return where
+
+
+def in_process(code: Path, argv: list[str]) -> dict:
+    """This script's --inner measurement with ``code`` as recap_cli, in a fresh process; its JSON."""
+    env = {**os.environ, "RECAP_CODE": str(code)}
+    out = subprocess.run([sys.executable, __file__, "--inner", *argv], env=env, check=True, capture_output=True)
+    return orjson.loads(out.stdout.splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo")
     ap.add_argument("--inputs", type=Path, nargs="+",
                     default=[Path(f"sample_inputs/bench/demo_{s}.jsonl") for s in ("caption", "vqa", "multiturn")])
-    ap.add_argument("--budget", default="64", help="draft nodes per step, or auto")
+    ap.add_argument("--budget", default="64", help="draft nodes per step, or auto; several: comma-separated")
+    ap.add_argument("--method", default="recap", help="recap, or suffix (its own sizes; no budget)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--limit", type=int, default=1000, help="requests per input file")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--before", default=None, help="git commit whose recap_cli to measure beside this tree's")
+    ap.add_argument("--rounds", type=int, default=2, help="with --before: alternating processes per side")
+    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    adapter = load(args.model, device="cpu", dtype="fp32")
-    requests = read_requests(args.inputs, args.limit)
-    budget = args.budget if args.budget == "auto" else int(args.budget)
-    session = Session(adapter, "recap", budget=budget)
-    half = len(requests) // 2
-    for req in requests[:half]:  # fill the memories as a real run does
-        answer_with_tokens(session, req, args.model, args.max_new_tokens)
-    frozen = copy.deepcopy(session.drafter)
-    session.drafter = Recorder(session.drafter)
-    for req in requests[half:]:
-        answer_with_tokens(session, req, args.model, args.max_new_tokens)
-    calls = session.drafter.calls
-    per_rep = []
-    for _ in range(args.reps):
-        per_rep.append(replay(copy.deepcopy(frozen), calls, session.engine))
-    steps = len(per_rep[0]["propose"])
-    ms = {part: 1000 * statistics.median(sum(r[part]) / steps for r in per_rep)
-          for part in ("propose", "observe", "inputs")}
-    nodes = statistics.mean(per_rep[0]["nodes"])
-    total = sum(ms.values())
-    print(f"budget {args.budget}: {steps} steps, {nodes:.1f} nodes/step; per step: propose {ms['propose']:.3f} ms, "
-          f"observe {ms['observe']:.3f} ms, inputs (ids, positions, mask) {ms['inputs']:.3f} ms; "
-          f"host total {total:.3f} ms")
+    common = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--limit", str(args.limit),
+              "--reps", str(args.reps), "--inputs", *map(str, args.inputs)]
+    if args.inner:
+        print(orjson.dumps(measure(args.model, args.inputs, args.budget, args.max_new_tokens, args.limit, args.reps,
+                                   args.method)).decode())
+        return
+    sides = {"after": ROOT} if args.before is None else {"before": checkout(args.before), "after": ROOT}
+    results = []
+    for budget in args.budget.split(","):
+        runs: dict[str, list[dict]] = {side: [] for side in sides}
+        for _ in range(args.rounds if args.before else 1):
+            for side, code in sides.items():
+                method = "recap" if side == "before" else args.method
+                runs[side].append(in_process(code, common + ["--budget", budget, "--method", method]))
+        for side, got in runs.items():
+            ms = {p: statistics.median(r["ms_per_step"][p] for r in got) for p in ("propose", "observe", "inputs")}
+            row = {"side": side, "ref": args.before if side == "before" else "this tree", "budget": budget,
+                   "method": got[0]["method"], "steps": got[0]["steps"], "nodes_per_step": got[0]["nodes_per_step"],
+                   "ms_per_step": ms, "drafting_ms": ms["propose"] + ms["observe"], "rounds": len(got)}
+            results.append(row)
+            print(f"{side:6s} {row['method']:6s} budget {budget:4s}: {row['steps']} steps, {row['nodes_per_step']:.1f} "
+                  f"nodes/step; propose {ms['propose']:.3f} + observe {ms['observe']:.3f} = drafting "
+                  f"{row['drafting_ms']:.3f} ms/step; inputs (ids, positions, mask) {ms['inputs']:.3f} ms", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_bytes(orjson.dumps({"model": args.model, "budget": args.budget, "steps": steps,
-                                            "nodes_per_step": nodes, "ms_per_step": ms, "host_ms": total,
-                                            "threads": torch.get_num_threads()}, option=orjson.OPT_INDENT_2))
+        args.json.write_bytes(orjson.dumps({"model": args.model, "results": results}, option=orjson.OPT_INDENT_2))
 
 
 if __name__ == "__main__":

@@ -125,7 +125,8 @@ def run(
     depth: Optional[int] = typer.Option(None, min=1, help="recap: maximum draft depth"),
     mixing: Optional[str] = typer.Option(None, help="recap: confidence or fixed"),
     orders: Optional[str] = typer.Option(None, help="recap: memory orders to use, e.g. 1,2,3"),
-    suffix: Optional[bool] = typer.Option(None, "--suffix/--no-suffix", help="recap: suffix continuations"),
+    suffix: Optional[bool] = typer.Option(None, "--suffix/--no-suffix", help="recap: continuations from the stream "
+                                          "memory (exact matches in this and earlier requests)"),
     calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate",
                                              help="recap: learn acceptance chances online (else raw probabilities)"),
     compile: str = typer.Option("auto", help="static KV cache + CUDA graphs: auto (on with CUDA at batch 1), on "

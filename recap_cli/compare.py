@@ -78,7 +78,7 @@ def parse_method(spec: str) -> tuple[str, dict]:
         except (KeyError, ValueError) as exc:
             raise ValueError(f"bad value in '{part}' of '{spec}'") from exc
     if knobs and name != "recap" and (set(knobs) != {"budget"} or name not in ("tr", "pld")):
-        raise ValueError(f"'{spec}': only recap has variants (tr and pld take budget)")
+        raise ValueError(f"'{spec}': only recap has variants (tr and pld take budget; suffix runs as vLLM does)")
     if "budget" in knobs:
         knobs["budget"] = parse_budget(name, knobs["budget"])
     return name, knobs
@@ -87,6 +87,8 @@ def parse_method(spec: str) -> tuple[str, dict]:
 def parse_budget(method: str, value: str) -> int | str:
     """``auto`` (trees sized by measured step cost) or a number of draft nodes; Token Recycling keeps its
     80-node template unless cut by cost (``auto``)."""
+    if method == "suffix":
+        raise ValueError("suffix sizes its drafts by SuffixDecoding's own rules: budget applies to recap, tr and pld")
     if method not in ("recap", "tr", "pld"):
         raise ValueError(f"{method} drafts nothing: budget applies to recap, tr and pld")
     if value == "auto":

@@ -7,7 +7,7 @@ the batched engine re-export them.
 
 from __future__ import annotations
 
-METHODS = ("ar", "recap", "tr", "pld")
+METHODS = ("ar", "recap", "tr", "pld", "suffix")
 
 # Requests in flight when --batch is not given, by device type. CPU: on 2 cores 16 rows gave 3.2-3.8x the
 # requests/hour of one at a time (demo model, SmolLM2) and 32 a further 12-21% on the 5M demo model only (a

@@ -32,6 +32,7 @@ from ray.exceptions import RayError
 from . import records
 from .batch import Totals, answer, answer_all, error_record
 from .decoding.batched import DEFAULT_BATCH, default_batch
+from .drafters.stream import merge_states as merge_stream_states
 
 FAULT_ENV = "RECAP_FAULT_KILL_AFTER"  # test knob: one worker exits hard once after this many records
 PUSH_EVERY_S = 60.0  # how often a worker copies its memory to the driver's collector mid-run
@@ -404,6 +405,8 @@ def merge_memories(seed: dict | None, states: list[dict]) -> dict:
             merged[name] = None
         elif set(first) == {"ids", "probs"}:
             merged[name] = _merge_table(base.get(name), values)
+        elif set(first) == {"tokens", "lengths", "segments"}:  # RECAP's stream memory: text, request by request
+            merged[name] = merge_stream_states(base.get(name), values)
         else:
             merged[name] = _merge_counts(base.get(name), values)
     return {**states[0], "state": merged}

@@ -21,7 +21,7 @@ from .drafters import Drafter, make_drafter
 from .decoding.engine import Engine, Generation, generate
 from .records import as_parts, first_line, user_message
 
-MEMORY_FORMAT, MEMORY_VERSION = "recap-memory", 2
+MEMORY_FORMAT, MEMORY_VERSION = "recap-memory", 3  # 3: RECAP keeps the stream memory
 log = logging.getLogger(__name__)
 
 

@@ -18,7 +18,8 @@ QUESTIONS = ["What colour is the square?", "Describe the picture in one sentence
 VARIANTS = [("recap", {}, "flat"), ("recap", {}, "measured"), ("recap", {"mixing": "fixed"}, "flat"),
             ("recap", {"orders": (1,)}, "flat"), ("recap", {"suffix": False, "budget": 16, "depth": 4}, None),
             ("recap", {"top_k": 4, "budget": 64}, None), ("recap", {"calibrate": False}, "flat"),
-            ("tr", {}, None), ("tr", {"budget": "auto"}, "flat"), ("pld", {}, "flat"), ("pld", {"budget": 10}, None)]
+            ("tr", {}, None), ("tr", {"budget": "auto"}, "flat"), ("pld", {}, "flat"), ("pld", {"budget": 10}, None),
+            ("recap", {"suffix": False}, "flat"), ("suffix", {}, None)]
 
 
 def flat_costs(session: Session) -> Session:
@@ -90,7 +91,7 @@ def test_static_cache_path_matches_for_every_drafter(get_adapter, arch):
     adapter = get_adapter(arch)
     stream = [request(arch, q, seed) for seed, q in enumerate(QUESTIONS[:2])]
     expected = [Session(adapter, "ar").answer(m, imgs, 30).tokens for m, imgs in stream]
-    for method in ("ar", "recap", "tr", "pld"):
+    for method in ("ar", "recap", "tr", "pld", "suffix"):
         session = Session(adapter, method, static=True)
         assert session.engine.static and session.engine.cost.buckets == session.engine.buckets
         assert [session.answer(m, imgs, 30).tokens for m, imgs in stream] == expected, method

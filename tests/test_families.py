@@ -47,7 +47,8 @@ def test_every_drafter_equals_generate(get_adapter, family):
     """One session per method over a repeated stream (warm memory drafts), and the static-cache path."""
     adapter = get_adapter(family)
     stream = [(0, 1), (1, 2)] * 2
-    for method, static in [("ar", False), ("recap", False), ("tr", False), ("pld", False), ("recap", True)]:
+    for method, static in [("ar", False), ("recap", False), ("tr", False), ("pld", False), ("suffix", False),
+                           ("recap", True)]:
         session = Session(adapter, method, static=static)
         for qi, seed in stream:
             gen = session.answer(*request(family, QUESTIONS[qi], seed), NEW_TOKENS)

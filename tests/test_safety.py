@@ -329,11 +329,19 @@ def test_the_drafter_state_survives_a_save_and_load(get_adapter, method, tmp_pat
     fresh.load_memory(tmp_path / "m.pt")
     saved, loaded = session.drafter.state(), fresh.drafter.state()
     flat = lambda s: {(k, j): v for k, d in s.items() if d is not None for j, v in d.items()}  # noqa: E731
-    # recap: order-1 ids/probs, calibration and continuation hits/tries; tr: its table; pld: its chain chances
-    assert flat(saved).keys() == flat(loaded).keys() and len(flat(saved)) == {"recap": 6, "tr": 2, "pld": 2}[method]
+    # recap: order-1 ids/probs, calibration, continuation and placed hits/tries, the stream memory's tokens, lengths and
+    # segments; tr: its table; pld: its chain chances
+    assert flat(saved).keys() == flat(loaded).keys() and len(flat(saved)) == {"recap": 11, "tr": 2, "pld": 2}[method]
     assert all(torch.equal(flat(saved)[k], flat(loaded)[k]) for k in flat(saved))
     if method != "pld":
         assert (session.drafter.order1 if method == "recap" else session.drafter.table).filled() > 5
+    if method == "recap":  # the stream memory comes back as the same tree: every count, every continuation
+        mine, theirs = session.drafter.stream.tree, fresh.drafter.stream.tree
+        assert len(mine) > 20 and list(mine.seqs.values()) == list(theirs.seqs.values())
+        text = next(iter(mine.seqs.values()))
+        for i in range(len(text) - 4):
+            a, b = mine.match(text[i:i + 4]), theirs.match(text[i:i + 4])
+            assert mine.occurrences(a) == theirs.occurrences(b) and mine.children(a) == theirs.children(b)
 
 
 # --- SIGTERM and a closed stdout, in a real process -------------------------------------------------------------

@@ -15,11 +15,12 @@ class Source(IntEnum):
     ORDER1 = 1
     ORDER2 = 2
     ORDER3 = 3
-    SUFFIX = 4
+    SUFFIX = 4  # a continuation found earlier in the same request's text
     MATRIX = 5  # Token Recycling's successor matrix
     LOOKUP = 6  # prompt lookup
     OTHER = 7  # test drafters
     BONUS = 8  # the verifier's own token after the accepted path (never a draft node)
+    STREAM = 9  # a continuation found in earlier requests' text (the stream-wide suffix memory)
 
 
 @dataclass

@@ -6,14 +6,20 @@ from ..options import METHODS
 from .base import Drafter
 from .pld import PromptLookupDrafter
 from .recap import RecapDrafter
+from .suffix import SuffixDecodingDrafter
 from .tr import TokenRecyclingDrafter
 
 
 def make_drafter(method: str, vocab_size: int, banned=(), **knobs) -> Drafter:
     """A drafter by method name. ``knobs`` are RecapDrafter's ablation parameters; ``tr`` and ``pld`` take
-    ``budget`` only (tr: "auto" cuts its template by cost; pld: a fixed chain length, else cut by cost)."""
+    ``budget`` only (tr: "auto" cuts its template by cost; pld: a fixed chain length, else cut by cost);
+    ``suffix`` (SuffixDecoding) runs with the reference's defaults and takes none."""
     if method == "recap":
         return RecapDrafter(vocab_size, banned=banned, **knobs)
+    if method == "suffix":
+        if knobs:
+            raise ValueError(f"options {sorted(knobs)} apply to recap, tr and pld only (suffix takes none)")
+        return SuffixDecodingDrafter(banned=banned)
     if set(knobs) - {"budget"} or (knobs and method == "ar"):
         raise ValueError(f"options {sorted(knobs)} apply to recap only" + ("" if method == "ar" else
                          f" ({method} takes budget)"))
@@ -26,4 +32,5 @@ def make_drafter(method: str, vocab_size: int, banned=(), **knobs) -> Drafter:
     raise ValueError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
 
 
-__all__ = ["Drafter", "RecapDrafter", "TokenRecyclingDrafter", "PromptLookupDrafter", "make_drafter", "METHODS"]
+__all__ = ["Drafter", "RecapDrafter", "TokenRecyclingDrafter", "PromptLookupDrafter", "SuffixDecodingDrafter",
+           "make_drafter", "METHODS"]

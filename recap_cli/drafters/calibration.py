@@ -27,6 +27,7 @@ class Counts:
     def clear(self) -> None:
         self.hits = [[0.0] * self.shape[1] for _ in range(self.shape[0])]
         self.tries = [[0.0] * self.shape[1] for _ in range(self.shape[0])]
+        self._coefficients = None
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"hits": torch.tensor(self.hits, dtype=torch.float64),
@@ -47,6 +48,7 @@ class Counts:
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         self.check_state(state)
         self.hits, self.tries = state["hits"].tolist(), state["tries"].tolist()
+        self._coefficients = None
 
 
 class Calibration(Counts):
@@ -66,6 +68,14 @@ class Calibration(Counts):
         row, b = rank * self.depths + min(depth, self.depths) - 1, bucket(p)
         return (self.hits[row][b] + self.prior * p) / (self.tries[row][b] + self.prior)
 
+    def coefficients(self) -> list[list[tuple[float, float]]]:
+        """``chance`` as a + b * p per (rank x depth row, bucket): what drafting reads, rebuilt after records."""
+        if self._coefficients is None:
+            prior = self.prior
+            self._coefficients = [[(h / (t + prior), prior / (t + prior)) for h, t in zip(hs, ts)]
+                                  for hs, ts in zip(self.hits, self.tries)]
+        return self._coefficients
+
     def first_child_bound(self) -> float:
         """An upper bound on ``chance(0, p, depth)`` for any p (p <= 1) and depth: what a node's best child can
         be worth before its rows are mixed."""
@@ -76,6 +86,7 @@ class Calibration(Counts):
         row, b = rank * self.depths + min(depth, self.depths) - 1, bucket(p)
         self.tries[row][b] += 1
         self.hits[row][b] += hit
+        self._coefficients = None
 
 
 class ChainCalibration(Counts):
@@ -103,3 +114,73 @@ class ChainCalibration(Counts):
         n, j = min(n, self.max_n), min(j, self.max_j)
         self.tries[n][j] += 1
         self.hits[n][j] += hit
+
+
+MATCH_BUCKETS = (1, 2, 3, 4, 6, 9, 13)  # match length -> bucket 0..6 (13 and longer: the last)
+
+
+def match_bucket(m: int) -> int:
+    return 6 if m >= 13 else 5 if m >= 9 else 4 if m >= 6 else min(m, 4) - 1 if m >= 1 else 0
+
+
+class StreamCalibration(Counts):
+    """P(a continuation from the stream memory is accepted | its node was), per (length of the exact match
+    behind it: the context's match plus the path below the root, bucketed; its rank among the match's
+    continuations, 0 or later; the share of the match's occurrences it followed, bucketed). A token that
+    followed a 12-token match every time is another thing than one that followed a single token once in ten.
+    Starts at a guess of half the count-based share, worth ``prior`` observations."""
+
+    def __init__(self, prior: float = 4.0):
+        self.prior = prior
+        super().__init__(len(MATCH_BUCKETS) * 2, len(BUCKETS) + 1)
+
+    def chance(self, m: int, share: float, rank: int) -> float:
+        row, b = 2 * match_bucket(m) + (rank > 0), bucket(share)
+        return (self.hits[row][b] + self.prior * 0.5 * share) / (self.tries[row][b] + self.prior)
+
+    def record(self, m: int, share: float, rank: int, hit: bool) -> None:
+        row, b = 2 * match_bucket(m) + (rank > 0), bucket(share)
+        self.tries[row][b] += 1
+        self.hits[row][b] += hit
+
+
+PLACED_EDGES = tuple(i / 10 for i in range(1, 10))  # a lane's chance -> bucket 0..9
+
+
+class PlacedCalibration(Counts):
+    """The second look: P(a node placed in the tree is accepted | its parent was) per (lane: the most specific
+    recycled order behind it, or the stream; bucket of the chance its lane gave it). The lanes' estimates are
+    learned over every candidate of an accepted node, but a tree keeps only the candidates that looked best, and
+    those are the overrated ones (a winner's curse: the benchmarks/calibration.py table showed recycled nodes at
+    a predicted 0.9-1.0 accepted 42% of the time). This maps each lane's chance to what placed nodes with that
+    chance turned out to be worth, bucket by bucket, starting at the lane's own figure (``prior``
+    observations)."""
+
+    LANES = 4  # recycled with order 1 / 2 / 3 rows present, stream
+
+    def __init__(self, prior: float = 8.0):
+        self.prior = prior
+        super().__init__(self.LANES, len(PLACED_EDGES) + 1)
+
+    @staticmethod
+    def bucket(p: float) -> int:
+        return min(int(p * 10), 9) if p > 0 else 0
+
+    def coefficients(self) -> list[list[tuple[float, float]]]:
+        """a + b * p per (lane, bucket): the mapped chance is a + b * (the lane's chance)."""
+        if self._coefficients is None:
+            prior = self.prior
+            self._coefficients = [[(h / (t + prior), prior / (t + prior)) for h, t in zip(hs, ts)]
+                                  for hs, ts in zip(self.hits, self.tries)]
+        return self._coefficients
+
+    def bound(self, most: float = 1.0) -> float:
+        """An upper bound on the mapped chance of any lane chance <= ``most`` (for nodes not yet mixed)."""
+        return min(1.0, max(a + b * min(most, (j + 1) / 10) for row in self.coefficients()
+                            for j, (a, b) in enumerate(row) if j / 10 <= most))
+
+    def record(self, lane: int, p: float, hit: bool) -> None:
+        b = self.bucket(p)
+        self.tries[lane][b] += 1
+        self.hits[lane][b] += hit
+        self._coefficients = None

@@ -1,0 +1,166 @@
+"""Are RECAP's chances what they turn out to be? Predicted vs observed acceptance, per chance bucket and source.
+
+    python benchmarks/calibration.py [--model demo] [--inputs ...] [--before 9edef0e] [--json runs/calibration.json]
+
+Runs ``recap`` (batch 1, auto-sized trees unless --budget) over each input file as its own stream (memories
+cleared between files, as ``recap compare`` does) and, for every drafted node whose parent the verifier
+accepted, compares the chance the drafter gave it (conditional: its path chance over its parent's) with whether
+it was accepted. A node's path chance is what the cost model sums into expected tokens per step, so a bucket
+whose observed rate falls short of its prediction means trees bigger than they should be. Acceptance does not
+depend on the clock: the table is reliable on a busy machine. ``--before REF`` runs the same on commit REF's
+recap_cli in a second process, for a before/after table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, os.environ.get("RECAP_CODE", str(ROOT)))
+
+EDGES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.01)
+
+
+def bucket(p: float) -> str:
+    for lo, hi in zip(EDGES, EDGES[1:]):
+        if p < hi:
+            return f"{lo:.1f}-{min(hi, 1.0):.1f}"
+    return "0.9-1.0"
+
+
+def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, budget: str) -> dict:
+    import recap_cli.drafters.recap as recap_module
+    from recap_cli.batch import answer_with_tokens
+    from recap_cli.decoding.tree import Source
+    from recap_cli.models import load
+    from recap_cli.session import Session
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from acceptance import read_requests
+
+    adapter = load(model, device="cpu", dtype="fp32")
+    knobs = {} if budget == "auto" else {"budget": int(budget)}
+    session = Session(adapter, "recap", **knobs)
+    drafter = session.drafter
+    captured: dict[str, list[float]] = {}
+    if not hasattr(drafter, "chances"):  # an older drafter: its layout sees each node's chance
+        layout = recap_module._layout
+
+        def logged(nodes):
+            tree, where = layout(nodes)
+            chances = [0.0] * len(tree)
+            for i, node in enumerate(nodes):
+                if i in where:
+                    chances[where[i]] = node[3]
+            captured["chances"] = chances
+            return tree, where
+
+        recap_module._layout = logged
+    tally: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0])  # tried, predicted, accepted
+    paths: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
+    verify = session.engine.verify
+
+    def graded(tree):
+        verified = verify(tree)
+        chances = getattr(drafter, "chances", None) or captured.get("chances") or [1.0]
+        if len(chances) == len(tree):
+            accepted = set(verified.path)
+            for i in range(1, len(tree)):
+                parent = tree.parents[i]
+                source = Source(tree.sources[i]).name
+                path = paths[bucket(chances[i])]
+                path[0] += 1
+                path[1] += chances[i]
+                path[2] += i in accepted
+                if parent in accepted:  # a fair test of the node's own chance
+                    row = tally[(source, bucket(chances[i] / chances[parent]))]
+                    row[0] += 1
+                    row[1] += chances[i] / chances[parent]
+                    row[2] += i in accepted
+        return verified
+
+    session.engine.verify = graded
+    steps = nodes = emitted = 0
+    for path in inputs:
+        session.reset_memory()
+        for req in read_requests([path], limit):
+            record, _ = answer_with_tokens(session, req, model, max_new_tokens)
+            steps += record["steps"]
+            nodes += record["mean_nodes"] * record["steps"]
+            emitted += record["new_tokens"] - record["turns"]
+    rows = [{"source": s, "bucket": b, "tested": t, "predicted": p / t, "observed": a / t}
+            for (s, b), (t, p, a) in sorted(tally.items()) if t]
+    path_rows = [{"bucket": b, "nodes": t, "predicted": p / t, "observed": a / t}
+                 for b, (t, p, a) in sorted(paths.items()) if t]
+    total = sum(r["tested"] for r in rows)
+    gap = sum(abs(r["predicted"] - r["observed"]) * r["tested"] for r in rows) / total if total else 0.0
+    path_total = sum(t for t, _, _ in paths.values())
+    expected = sum(p for _, p, _ in paths.values())
+    return {"steps": steps, "nodes_per_step": nodes / max(steps, 1), "tokens_per_step": emitted / max(steps, 1),
+            "conditional": rows, "path": path_rows, "weighted_gap": gap,
+            "predicted_drafted_per_step": expected / max(steps, 1),
+            "observed_drafted_per_step": sum(a for _, _, a in paths.values()) / max(steps, 1),
+            "path_nodes": path_total}
+
+
+def checkout(ref: str) -> Path:
+    import tempfile
+
+    where = Path(tempfile.mkdtemp(prefix="recap-before-"))
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "recap_cli"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
+    return where
+
+
+def show(label: str, out: dict) -> None:
+    print(f"== {label}: {out['steps']} steps, {out['tokens_per_step']:.3f} tokens/step at {out['nodes_per_step']:.1f} "
+          f"nodes; drafted tokens per step predicted {out['predicted_drafted_per_step']:.3f}, observed "
+          f"{out['observed_drafted_per_step']:.3f}; mean |predicted - observed| (conditional) "
+          f"{out['weighted_gap']:.3f}")
+    print(f"{'source':8s} {'chance':8s} {'tested':>7s} {'predicted':>9s} {'observed':>9s}")
+    for r in out["conditional"]:
+        print(f"{r['source']:8s} {r['bucket']:8s} {r['tested']:7d} {r['predicted']:9.3f} {r['observed']:9.3f}")
+    print(f"{'path chance':17s} {'nodes':>7s} {'predicted':>9s} {'observed':>9s}  (every drafted node: accepted?)")
+    for r in out["path"]:
+        print(f"{r['bucket']:17s} {r['nodes']:7d} {r['predicted']:9.3f} {r['observed']:9.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--inputs", type=Path, nargs="+",
+                    default=[Path(f"sample_inputs/bench/demo_{s}.jsonl") for s in ("caption", "vqa", "multiturn")])
+    ap.add_argument("--limit", type=int, default=1000, help="requests per input file")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--budget", default="auto")
+    ap.add_argument("--before", default=None, help="git commit whose recap_cli to measure too")
+    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if args.inner:
+        print(orjson.dumps(measure(args.model, args.inputs, args.limit, args.max_new_tokens, args.budget)).decode())
+        return
+    report = {}
+    sides = {"after": ROOT} if args.before is None else {"before": checkout(args.before), "after": ROOT}
+    for side, code in sides.items():
+        cmd = [sys.executable, __file__, "--inner", "--model", args.model, "--limit", str(args.limit),
+               "--max-new-tokens", str(args.max_new_tokens), "--budget", args.budget, "--inputs",
+               *map(str, args.inputs)]
+        out = subprocess.run(cmd, env={**os.environ, "RECAP_CODE": str(code)}, check=True, capture_output=True)
+        report[side] = orjson.loads(out.stdout.splitlines()[-1])
+        show(f"{side} ({args.before if side == 'before' else 'this tree'})", report[side])
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_bytes(orjson.dumps({"model": args.model, "inputs": [str(p) for p in args.inputs],
+                                            "budget": args.budget, **report}, option=orjson.OPT_INDENT_2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""RECAP's stream memory: every token of text the stream has seen (earlier requests' prompts and answers, and
+this request's so far) in one suffix tree, so a draft can continue the longest exact match of the current
+context wherever in the stream it occurred, with how often each continuation followed it.
+
+The longest context with the longest lifetime: orders 1-3 key rows by at most three tokens, this matches up to
+``depth`` (24) tokens, across requests. Bounded like SuffixDecoding's global tree: past ``max_requests`` requests
+the oldest is evicted (its occurrences leave the counts). Image placeholders split the text into segments (a
+match never runs through an image). Shared by every row of a batch; each request writes its own segments.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+
+from .suffix_tree import SuffixTree
+
+OPEN = -1  # a request's segment list ends with OPEN while no segment is being written (after an image)
+
+
+class Cursor:
+    """One request's place in the stream memory: its segments there and how much of its context they hold."""
+
+    def __init__(self) -> None:
+        self.segs: list[int] | None = None
+        self.seen = 0
+
+
+class StreamMemory:
+    def __init__(self, banned: Iterable[int] = (), depth: int = 16, max_requests: int = 1000):
+        self.banned, self.depth, self.max_requests = frozenset(banned), depth, max_requests
+        self.clear()
+
+    def clear(self) -> None:
+        self.tree = SuffixTree(self.depth, ordered=False)  # equal counts in any order: cheaper to append
+        self.requests: deque[list[int]] = deque()  # each request's segment ids, oldest request first
+
+    def begin(self) -> list[int]:
+        """A new request: its (growing) list of segments; the oldest requests past the bound are evicted."""
+        segs = [OPEN]
+        self.requests.append(segs)
+        while len(self.requests) > self.max_requests:
+            for sid in self.requests.popleft():
+                if sid != OPEN and sid in self.tree.seqs:
+                    self.tree.remove(sid)
+        return segs
+
+    def write(self, segs: list[int], tokens: Iterable[int]) -> None:
+        """Append a request's next tokens (an image placeholder ends its segment)."""
+        tree, banned = self.tree, self.banned
+        sid = segs[-1]
+        for t in tokens:
+            if t in banned:
+                if sid != OPEN:
+                    tree.close(sid)
+                    segs.append(OPEN)
+                    sid = OPEN
+                continue
+            if sid == OPEN:
+                sid = segs[-1] = tree.new_seq()
+            if sid not in tree.active:  # evicted while in flight: this request writes no more
+                return
+            tree.append(sid, t)
+
+    def finish(self, segs: list[int]) -> None:
+        """The request will write no more (its segments' suffixes are let go; the text stays, counted)."""
+        if segs and segs[-1] != OPEN and segs[-1] in self.tree.active:
+            self.tree.close(segs[-1])
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The text, request by request and segment by segment: the tree is rebuilt from it on load, in the
+        same order, so it is the same tree."""
+        lengths, per_request, tokens = [], [], []
+        for segs in self.requests:
+            mine = [s for s in segs if s != OPEN and s in self.tree.seqs]
+            per_request.append(len(mine))
+            for sid in mine:
+                lengths.append(len(self.tree.seqs[sid]))
+                tokens.extend(self.tree.seqs[sid])
+        return {"tokens": torch.tensor(tokens, dtype=torch.int32),
+                "lengths": torch.tensor(lengths, dtype=torch.int64),
+                "segments": torch.tensor(per_request, dtype=torch.int64)}
+
+    def check_state(self, state, vocab_size: int) -> None:
+        if not isinstance(state, dict) or set(state) != {"tokens", "lengths", "segments"}:
+            raise ValueError("the stream memory must hold exactly 'tokens', 'lengths' and 'segments'")
+        tokens, lengths, segments = state["tokens"], state["lengths"], state["segments"]
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 1 and not t.dtype.is_floating_point
+                   for t in (tokens, lengths, segments)):
+            raise ValueError("the stream memory's tokens, lengths and segments must be 1-D integer tensors")
+        if (lengths < 1).any() or (segments < 0).any() or int(segments.sum()) != lengths.numel() \
+                or int(lengths.sum()) != tokens.numel():
+            raise ValueError("the stream memory's lengths and segments do not add up to its tokens")
+        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab_size):
+            raise ValueError(f"the stream memory holds token ids outside the vocabulary (0..{vocab_size - 1})")
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.clear()
+        tokens, lengths = state["tokens"].tolist(), state["lengths"].tolist()
+        at = seg = 0
+        for n in state["segments"].tolist():
+            segs = self.begin()
+            for length in lengths[seg: seg + n]:
+                self.write(segs, tokens[at: at + length])
+                self.finish(segs)
+                segs.append(OPEN)
+                at += length
+            seg += n
+
+
+def _requests(state: dict[str, torch.Tensor] | None) -> list[list[list[int]]]:
+    """A saved stream memory as requests of segments of tokens."""
+    if state is None:
+        return []
+    tokens, lengths = state["tokens"].tolist(), state["lengths"].tolist()
+    out, at, seg = [], 0, 0
+    for n in state["segments"].tolist():
+        segs = []
+        for length in lengths[seg: seg + n]:
+            segs.append(tokens[at: at + length])
+            at += length
+        out.append(segs)
+        seg += n
+    return out
+
+
+def merge_states(seed: dict[str, torch.Tensor] | None, states: list[dict[str, torch.Tensor]]) -> dict:
+    """Several workers' stream memories, each grown from ``seed``, as one: the seed's requests, then each worker's
+    own, worker by worker (a worker that evicted some of the seed's oldest requests still starts with the rest).
+    Loading bounds the result to the memory's request limit, oldest out first."""
+    base = _requests(seed)
+    merged = list(base)
+    for state in states:
+        mine = _requests(state)
+        drop = next(len(base) - e for e in range(len(base) + 1) if mine[: len(base) - e] == base[e:])
+        merged.extend(mine[drop:])
+    return {"tokens": torch.tensor([t for r in merged for s in r for t in s], dtype=torch.int32),
+            "lengths": torch.tensor([len(s) for r in merged for s in r], dtype=torch.int64),
+            "segments": torch.tensor([len(r) for r in merged], dtype=torch.int64)}

@@ -1,0 +1,219 @@
+"""The suffix tree behind SuffixDecoding and RECAP's stream memory: counts, the reference's drafts worked by hand,
+eviction, and both drafters decoding exactly."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from recap_cli.drafters import SuffixDecodingDrafter, make_drafter
+from recap_cli.drafters.stream import StreamMemory
+from recap_cli.drafters.suffix_tree import SuffixTree, f32
+from recap_cli.decoding.tree import Source
+from recap_cli.session import Session
+
+from .conftest import request
+from .test_drafters_exact import QUESTIONS, flat_costs
+
+
+def substring_counts(seqs: list[list[int]], depth: int) -> Counter:
+    counts = Counter()
+    for s in seqs:
+        for i in range(len(s)):
+            for j in range(i + 1, min(i + depth, len(s)) + 1):
+                counts[tuple(s[i:j])] += 1
+    return counts
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_counts_and_continuations_equal_brute_force_through_growth_and_eviction(ordered):
+    rng = random.Random(1)
+    for _ in range(150):
+        depth, vocab = rng.randint(1, 6), rng.randint(1, 4)
+        tree, seqs = SuffixTree(depth, ordered=ordered), {}
+        for _ in range(rng.randint(1, 25)):
+            if not seqs or rng.random() < 0.2:
+                seqs[tree.new_seq()] = []
+            elif rng.random() < 0.15:
+                sid = rng.choice(list(seqs))
+                tree.remove(sid)
+                del seqs[sid]
+                continue
+            sid = rng.choice(list(seqs))
+            for _ in range(rng.randint(1, 5)):
+                t = rng.randrange(vocab)
+                tree.append(sid, t)  # sequences grow interleaved, as rows of a batch do
+                seqs[sid].append(t)
+        counts = substring_counts(list(seqs.values()), depth)
+        for sub, n in counts.items():
+            pos = tree.match(sub)
+            assert pos is not None and tree.occurrences(pos) == n
+            kids = tree.children(pos)
+            want = {s[-1]: c for s, c in counts.items() if len(s) == len(sub) + 1 and s[:-1] == sub}
+            assert dict(kids) == want and [c for _, c in kids] == sorted(want.values(), reverse=True)
+        for sid, s in seqs.items():  # a sequence's active suffixes are the matches of its own tail
+            for length in range(1, min(len(s), depth) + 1):
+                assert tree.occurrences(tree.active[sid][length - 1]) == counts[tuple(s[-length:])]
+
+
+def test_equal_counts_keep_the_reference_sibling_order():
+    """Children of equal count stay in the order the reference's sibling lists give them: a child that catches
+    up with the run above it goes to that run's head if it was first of its own run, else to the run's tail."""
+    tree = SuffixTree(4)
+    sid = tree.new_seq([7, 1, 7, 2, 7, 3])  # under 7: 1, 2, 3, once each, in that order
+    seven = tree.match([7])
+    assert [t for t, _ in tree.children(seven)] == [1, 2, 3]
+    tree.extend(sid, [7, 3])  # 3 (last of the count-1 run) catches up: head of the new count-2 run
+    assert tree.children(seven) == [(3, 2), (1, 1), (2, 1)]
+    tree.extend(sid, [7, 2])  # 2 (not first of its run): tail of the count-2 run
+    assert tree.children(seven) == [(3, 2), (2, 2), (1, 1)]
+    tree.extend(sid, [7, 1])  # 1 (first of its run, right after the count-2 run): its head
+    assert tree.children(seven) == [(1, 2), (3, 2), (2, 2)]
+
+
+def suffix(prompt: list[int], **kw) -> SuffixDecodingDrafter:
+    d = SuffixDecodingDrafter(**kw)
+    d.start(prompt, None)
+    return d
+
+
+def test_the_draft_is_the_best_scoring_match_worked_by_hand():
+    ctx = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
+    d = suffix(ctx)
+    draft = d.speculate(ctx, room=100)
+    # "2" (3 times, once at the end) -> 3 at 2/3, but a 1-token match drafts 1 token: score 0.67. "1 2" -> 3 at
+    # 2/3, then "1 2 3" -> 4 or 5 at 1/2 each: 4 came first; 2 tokens, score 1.0. "5 1 2" and longer occur once
+    # (here): nothing follows them.
+    assert draft.tokens == [3, 4] and draft.parents == [-1, 0] and draft.match_len == 2
+    assert draft.probs == [f32(2 / 3), f32(f32(2 / 3) * 0.5)] and draft.score == f32(draft.probs[0] + draft.probs[1])
+
+
+def test_chances_below_min_token_prob_are_not_drafted():
+    prompt = [x for t in range(10, 21) for x in (9, t)] + [9]  # 9 is followed by eleven different tokens
+    assert suffix(prompt).speculate(prompt, room=100).tokens == []
+    assert suffix(prompt, min_token_prob=0.05).speculate(prompt, room=100).tokens != []
+
+
+def test_long_matches_draft_long_and_depth_bounds_match_plus_draft():
+    phrase = [5, 6, 7, 8, 9, 10, 11, 12]
+    ctx = phrase + [1] + phrase[:4]
+    assert suffix(ctx).speculate(ctx, room=100).tokens == [9, 10, 11, 12]  # a 4-token match drafts 4
+    assert suffix(ctx).speculate(ctx, room=2).tokens == [9, 10]  # at most the room left
+    # Depth 6: a 4-token match leaves room for 2 more; a 3-token match drafts 3 at the same chance, and wins.
+    draft = suffix(ctx, depth=6).speculate(ctx, room=100)
+    assert draft.tokens == [9, 10, 11] and draft.match_len == 3
+
+
+def test_answers_of_earlier_requests_are_drafted_from_the_global_tree():
+    d = SuffixDecodingDrafter()
+    d.start([1, 2], None)
+    answer = [40, 41, 42, 43, 44, 45]
+    d.propose([1, 2] + answer, room=10)  # the answer is committed: it enters the global tree
+    d.start([3, 4], None)
+    tree = d.propose([3, 4, 40, 41, 42], room=10)
+    assert tree.tokens[1:] == [43, 44, 45] and set(tree.sources[1:]) == {Source.STREAM}
+    # FIFO eviction past max_cached_requests: with room for one answer, the new request's evicts the old one.
+    e = SuffixDecodingDrafter(max_cached_requests=1)
+    e.start([1, 2], None)
+    e.propose([1, 2] + answer, room=10)
+    e.start([3, 4], None)
+    assert e.propose([3, 4, 40, 41, 42], room=10).tokens == [42]
+
+
+def test_forks_share_the_answers_and_own_their_prompts():
+    d = SuffixDecodingDrafter()
+    a, b = d.fork(), d.fork()
+    a.start([1, 2, 3], None)
+    b.start([7, 8, 9], None)
+    assert a.prompt_tree is not b.prompt_tree and a.responses is b.responses is d.responses
+    a.propose([1, 2, 3, 50, 51, 52, 53], room=10)
+    assert b.propose([7, 8, 9, 50, 51], room=10).tokens[1:] == [52, 53]
+
+
+def test_suffix_takes_no_options():
+    with pytest.raises(ValueError, match="suffix takes none"):
+        make_drafter("suffix", 100, budget=3)
+
+
+# --- RECAP's stream memory -----------------------------------------------------------------------------------
+
+def test_stream_memory_splits_at_images_evicts_the_oldest_and_rebuilds_the_same_tree():
+    memory = StreamMemory(banned=[99], depth=8, max_requests=2)
+    first = memory.begin()
+    memory.write(first, [1, 2, 3, 99, 99, 4, 5])
+    assert memory.tree.match([3, 4]) is None and memory.tree.match([4, 5]) is not None  # no match runs past 99
+    second = memory.begin()
+    memory.write(second, [1, 2, 3, 6])
+    assert memory.tree.occurrences(memory.tree.match([1, 2, 3])) == 2
+    saved = memory.state()
+    copy = StreamMemory(banned=[99], depth=8, max_requests=2)
+    copy.load_state(saved)
+    assert list(copy.tree.seqs.values()) == [[1, 2, 3], [4, 5], [1, 2, 3, 6]]
+    assert copy.tree.children(copy.tree.match([1, 2, 3])) == memory.tree.children(memory.tree.match([1, 2, 3]))
+    memory.write(memory.begin(), [7])  # a third request: the first is evicted, its counts with it
+    assert memory.tree.occurrences(memory.tree.match([1, 2, 3])) == 1 and memory.tree.match([4, 5]) is None
+    with pytest.raises(ValueError, match="add up"):
+        copy.check_state({**saved, "lengths": saved["lengths"][:1]}, vocab_size=100)
+
+
+def test_recap_drafts_a_phrase_of_an_earlier_request_from_the_stream():
+    d = make_drafter("recap", 100, budget=8)
+    d.start([1, 2], None)
+    d.propose([1, 2, 30, 31, 32, 33, 34, 35, 36], room=20)  # the answer enters the stream memory
+    d.start([3, 4], None)
+    tree = d.propose([3, 4, 30, 31, 32], room=20)
+    assert tree.tokens[1:5] == [33, 34, 35, 36] and tree.parents[1:5] == [0, 1, 2, 3]
+    assert set(tree.sources[1:5]) == {Source.STREAM}
+
+
+@pytest.mark.parametrize("arch", ["qwen", "llava", "text"])
+def test_repeated_requests_are_drafted_from_the_stream_and_stay_exact(get_adapter, arch):
+    """A request seen before is continued from the stream memory (the whole answer is an exact match), and the
+    tokens are still greedy decoding's."""
+    adapter = get_adapter(arch)
+    stream = [request(arch, q, seed) for seed, q in enumerate(QUESTIONS)]
+    want = [Session(adapter, "ar").answer(m, imgs, 40).tokens for m, imgs in stream]
+    recap, suffix_ = flat_costs(Session(adapter, "recap")), Session(adapter, "suffix")
+    first = [recap.answer(m, imgs, 40) for m, imgs in stream]
+    assert [g.tokens for g in first] == want
+    assert [suffix_.answer(m, imgs, 40).tokens for m, imgs in stream] == want
+    again = [recap.answer(m, imgs, 40) for m, imgs in stream]
+    assert [g.tokens for g in again] == want
+    per_step = [sum(len(g.tokens) - 1 for g in gens) / sum(g.steps for g in gens) for gens in (first, again)]
+    assert per_step[1] > per_step[0] + 0.5 and sum(g.by_source["STREAM"] for g in again) > 20
+    twice = [suffix_.answer(m, imgs, 40) for m, imgs in stream]
+    assert [g.tokens for g in twice] == want and sum(g.by_source["STREAM"] for g in twice) > 0
+
+
+def test_batch_rows_share_the_stream_memory_and_own_their_place_in_it():
+    d = make_drafter("recap", 100, budget=8)
+    a, b = d.fork(), d.fork()
+    assert a.stream is b.stream is d.stream and a.index is not b.index
+    a.start([1, 2], None)
+    b.start([3, 4], None)
+    a.propose([1, 2, 30, 31, 32, 33, 34], room=20)  # row a's answer so far, while b decodes beside it
+    tree = b.propose([3, 4, 30, 31], room=20)
+    assert tree.tokens[1:4] == [32, 33, 34] and set(tree.sources[1:4]) == {Source.STREAM}
+
+
+def test_workers_stream_memories_merge_into_the_seed_then_each_workers_requests():
+    from recap_cli.drafters.stream import merge_states
+
+    def memory(*requests):
+        m = StreamMemory(max_requests=3)
+        for text in requests:
+            m.write(m.begin(), text)
+        return m
+
+    seed = memory([1, 2], [3, 4])
+    a = memory([1, 2], [3, 4], [5, 6])  # grew from the seed
+    b = memory([3, 4], [7, 8], [9])  # grew from the seed and evicted its oldest request
+    merged = merge_states(seed.state(), [a.state(), b.state()])
+    back = StreamMemory(max_requests=10)
+    back.load_state(merged)
+    assert list(back.tree.seqs.values()) == [[1, 2], [3, 4], [5, 6], [7, 8], [9]]
+    small = StreamMemory(max_requests=2)  # loading bounds it: the oldest requests go first
+    small.load_state(merged)
+    assert list(small.tree.seqs.values()) == [[7, 8], [9]]
