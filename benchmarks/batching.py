@@ -3,11 +3,19 @@
     python benchmarks/batching.py --model demo --inputs sample_inputs/bench/demo_caption.jsonl \
         sample_inputs/bench/demo_vqa.jsonl sample_inputs/bench/demo_multiturn.jsonl --batches 1,4,8,16
 
-One session per (method, batch size), each warmed up once (step costs measured, first requests untimed); then
-every round runs every session over all inputs with its memory cleared first, the methods back to back at each
-batch size in an order that rotates from one round to the next, so machine drift hits all alike. Reported: the median over rounds (and the spread), mean
-rows in flight, tokens per step, and the share of requests whose tokens equal ``ar`` at batch 1 (batched matrix
-products may round differently from batch 1: any difference is listed, never hidden).
+One session per (method, batch size), each warmed up once (first requests untimed: the step-cost model has
+learned this machine); then every round runs every session over all inputs with its memory cleared first, the
+methods back to back at each batch size in an order that rotates from one round to the next, so machine drift hits
+all alike. With ``--fresh`` every round starts new sessions instead, untimed only while the model loads: what one
+``recap run`` costs, the cost model's learning (its start-up) included. Reported: the median over rounds (and the
+spread), each round's wall and CPU seconds (CPU time of this process: steadier than wall time on a machine
+others share, though not free of them), mean rows in flight, tokens per step, and the share of requests whose
+tokens equal ``ar`` at batch 1 (batched matrix products may round differently from batch 1: any difference is
+listed, never hidden).
+
+    python benchmarks/batching.py --model demo --fresh --rounds 3 --batches 16,1 --methods ar,recap \
+        --inputs sample_inputs/bench/demo_caption.jsonl sample_inputs/bench/demo_vqa.jsonl \
+        sample_inputs/bench/demo_multiturn.jsonl
 
 ``--costs h200`` sizes every tree with the step costs projected for Qwen2.5-VL-7B on an H200 instead of this
 machine's (eager steps, shared/DESIGN.md section 3, frozen) and reports projected decoding throughput: emitted
@@ -73,12 +81,13 @@ def project_h200(session: Session) -> list[float]:
     return modelled
 
 
-def timed(session: Session, reqs: list, max_new_tokens: int) -> tuple[float, list, list]:
+def timed(session: Session, reqs: list, max_new_tokens: int) -> tuple[float, list, list, float]:
+    """Wall seconds, records, tokens and this process's CPU seconds of one pass over ``reqs``."""
     session.reset_memory()
     session.steps = session.rows_stepped = 0
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     results = list(answer_all(session, reqs, "bench", max_new_tokens))
-    return time.perf_counter() - t0, [r for r, _ in results], [t for _, t in results]
+    return time.perf_counter() - t0, [r for r, _ in results], [t for _, t in results], time.process_time() - c0
 
 
 def main() -> None:
@@ -93,37 +102,50 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--costs", choices=("measured", "h200"), default="measured")
+    ap.add_argument("--fresh", action="store_true", help="new sessions every round, nothing warmed up: what a "
+                    "`recap run` costs, the cost model's start-up included")
     args = ap.parse_args()
+    if args.fresh and args.costs == "h200":
+        ap.error("--fresh times a run's own start-up; --costs h200 replaces it with projected costs")
     torch.set_num_threads(torch.get_num_threads())
     adapter = load(locate(args.model, offline=True), device="cpu", dtype=args.dtype)
     reqs = requests(args.inputs, args.limit)
     methods, batches = args.methods.split(","), [int(b) for b in args.batches.split(",")]
     sessions = {}
     modelled: dict[tuple[str, int], list[float]] = {}
-    for method in methods:
+
+    def new_session(method: str, b: int) -> Session:
         name, knobs = parse_method(method)
+        return Session(adapter, name, batch=b, **knobs)
+
+    for method in methods:
         for b in batches:
-            session = Session(adapter, name, batch=b, **knobs)
+            session = new_session(method, b)
             if args.costs == "h200":
                 modelled[(method, b)] = project_h200(session)
-            answer_all_list = list(answer_all(session, reqs[: 2 * b], "bench", args.max_new_tokens))  # warm-up
+            # Warm-up: torch's first calls at these shapes, and (unless --fresh) the cost model's learning.
+            answer_all_list = list(answer_all(session, reqs[: 2 * b], "bench", args.max_new_tokens))
             assert all(r["error"] is None for r, _ in answer_all_list)
             sessions[(method, b)] = session
     runs: dict[tuple[str, int], list[tuple[float, list, list, float | None]]] = {k: [] for k in sessions}
+    cpu: dict[tuple[str, int], list[float]] = {k: [] for k in sessions}
     projected: dict[tuple[str, int], list[float]] = {k: [] for k in sessions}
     for r in range(args.rounds):
         # Methods side by side at each batch size, their order rotating from round to round.
         order = methods[r % len(methods):] + methods[: r % len(methods)]
         for key in [(method, b) for b in batches for method in order]:
             start = len(modelled.get(key, []))
-            seconds, records, tokens = timed(sessions[key], reqs, args.max_new_tokens)
+            if args.fresh:
+                sessions[key] = new_session(*key)
+            seconds, records, tokens, cpu_s = timed(sessions[key], reqs, args.max_new_tokens)
             runs[key].append((seconds, records, tokens, sessions[key].occupancy))
+            cpu[key].append(cpu_s)
             if key in modelled:  # decoding on the GPU: modelled steps + this machine's drafting
                 emitted = sum(rec["new_tokens"] - rec["turns"] for rec in records)
                 busy = sum(modelled[key][start:]) + sum(rec["draft_ms"] for rec in records) / 1000 / (
                     sessions[key].occupancy or 1.0)  # rows draft one after another within a step
                 projected[key].append(emitted / busy)
-            print(f"round {r + 1} {key[0]} batch {key[1]}: {seconds:.1f} s", file=sys.stderr)
+            print(f"round {r + 1} {key[0]} batch {key[1]}: {seconds:.2f} s wall, {cpu_s:.2f} s CPU", file=sys.stderr)
     reference = runs[(methods[0], batches[0])][0][2]  # the first method at the first batch size (ar at 1)
     rows = []
     for (method, b), results in runs.items():
@@ -142,6 +164,8 @@ def main() -> None:
             "match_vs_reference": 1 - len(set(differ)) / len(reqs), "differ": sorted(set(map(str, differ))),
             "projected_h200_decode_tokens_per_s": statistics.median(projected[(method, b)]) if projected[(method, b)]
             else None,
+            "wall_s_runs": [round(s, 3) for s, _, _, _ in results],
+            "cpu_s_runs": [round(c, 3) for c in cpu[(method, b)]],
         })
     base = {row["method"]: row["requests_per_hour"] for row in rows if row["batch"] == batches[0]}
     ar = {row["batch"]: row["requests_per_hour"] for row in rows if row["method"] == methods[0]}
@@ -165,12 +189,26 @@ def main() -> None:
             tps = row["projected_h200_decode_tokens_per_s"]
             print(f"| {row['method']} | {row['batch']} | {tps:,.0f} | {tps / ar_h200[row['batch']]:.2f} | "
                   f"{row['tokens_per_step']:.2f} | {row['nodes_per_step']:.1f} |")
+    # Each round's wall (and CPU) seconds against the first method's in the same round, at the same batch size:
+    # the pairs that ran back to back.
+    first = {row["batch"]: row for row in rows if row["method"] == methods[0]}
+    print(f"\nper round, {'fresh sessions (start-up included)' if args.fresh else 'warm sessions'}: "
+          f"seconds, and x {methods[0]} (its time / this one's)")
+    print(f"| method | batch | wall s per round | x {methods[0]} wall | CPU s per round | x {methods[0]} CPU |")
+    print("| --- | ---: | --- | --- | --- | --- |")
+    for row in rows:
+        base_row = first[row["batch"]]
+        wall_x = [b / s for b, s in zip(base_row["wall_s_runs"], row["wall_s_runs"])]
+        cpu_x = [b / s for b, s in zip(base_row["cpu_s_runs"], row["cpu_s_runs"])]
+        print(f"| {row['method']} | {row['batch']} | {', '.join(f'{x:.2f}' for x in row['wall_s_runs'])} | "
+              f"{', '.join(f'{x:.3f}' for x in wall_x)} | {', '.join(f'{x:.2f}' for x in row['cpu_s_runs'])} | "
+              f"{', '.join(f'{x:.3f}' for x in cpu_x)} |")
     for row in rows:
         if row["differ"]:
             print(f"{row['method']} batch {row['batch']}: tokens differ from the reference on {row['differ']}")
     if args.json:
         args.json.write_text(json.dumps({"requests": len(reqs), "max_new_tokens": args.max_new_tokens,
-                                         "rows": rows}, indent=2))
+                                         "fresh": args.fresh, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ delta). Padding nodes see only themselves and nobody sees them.
 
 Joining requests are prefilled together (one right-padded forward pass, into a cache of their own, whose rows
 are then appended); a finished one leaves. Drafting stays per row (``Drafter.fork``: per-request memories of
-its own, the persistent tables shared), and the step-cost model, measured by rows x width, sizes every row's
-tree for the whole step (``batch_width``, ``RowShare``).
+its own, the persistent tables shared), and the step-cost model, learned by rows x width from the steps
+themselves (and probe steps, recap_cli/decoding/cost.py), sizes every row's tree for the whole step
+(``batch_width``, ``RowShare``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ..adapters import Adapter, Prompt
 from ..drafters import Drafter
 from ..options import DEFAULT_BATCH, default_batch  # noqa: F401 - re-exported (they live where --help reads them)
 from . import compat
-from .cost import BatchCost, RowShare, batch_width
+from .cost import UNKNOWN, BatchCost, RowShare, batch_width
 from .engine import Generation, accept, commit, greedy_and_rows, text_positions
 from .tree import Rows, Source, Tree, Verified
 
@@ -187,7 +188,8 @@ class BatchEngine:
     @torch.inference_mode()
     def measure_costs(self, prompt: Prompt, reps: int = 3) -> float:
         """Time a step of every (rows, width) of the cost grid on this prompt's prefix (median of ``reps``;
-        one run where a step takes over 50 ms). Seconds spent; the batch is left empty."""
+        one run where a step takes over 50 ms), for benchmarks: a run learns its costs from its own steps.
+        Seconds spent; the batch is left empty."""
         t0 = time.perf_counter()
         assert not self.slots, "measure before any request joins"
         for rows, curve in self.cost.by_rows.items():
@@ -205,6 +207,7 @@ class BatchEngine:
                     compat.move_paths(self.cache, None, None, None, prompt.length)
                 timings.append(sorted(runs)[len(runs) // 2])
             curve.set(timings)
+        self.cost.probes.reset()
         self.leave(list(range(len(self.slots))))
         return time.perf_counter() - t0
 
@@ -257,6 +260,7 @@ class Flight:
     gen: Generation = field(default_factory=Generation)
     last: int = 1  # tokens its last step emitted: rows that emit more draft first (they set the width)
     resting: int = 0  # steps left without drafting
+    drafted: bool = False  # its tree of this step was drafted (not a rest)
     pause: int = 1  # how long the next rest lasts
     chances: list[float] = field(default_factory=list)  # path chances its last growth placed, best first
 
@@ -294,8 +298,6 @@ class Batch:
             raise ValueError(f"{len(turns)} turns cannot join: {self.size - len(self.flights)} rows are free")
         if not turns:
             return []
-        if self.drafter.wants_costs and not self.engine.cost.measured:  # once per engine, on the first prompt
-            self.engine.measure_costs(turns[0][1])
         groups = length_groups([prompt.length for _, prompt, _ in turns])
         return [out for group in groups for out in self._add_group([turns[i] for i in group])]
 
@@ -341,6 +343,7 @@ class Batch:
         trees, draft_s = self._draft(failed)
         out = self._leave(sorted(failed), failed)
         if not self.flights:
+            self.engine.cost.probing = False  # a probe no row is left to take is none
             return out
         trees = [t for i, t in enumerate(trees) if i not in failed]
         draft_s = [d for i, d in enumerate(draft_s) if i not in failed]
@@ -358,7 +361,8 @@ class Batch:
                 t1 = time.perf_counter()
                 flight.drafter.observe(tree, v)
                 spent = draft_s[i] + time.perf_counter() - t1
-                self.engine.cost.observe_host(max(len(tree), flight.drafter.grown), spent)
+                if flight.drafted:  # a resting row's bookkeeping is no drafting work per node
+                    self.engine.cost.observe_host(max(len(tree), flight.drafter.grown), spent)
                 flight.gen.draft_s += spent
                 flight.gen.verify_s += verify_s  # the shared forward pass is part of every row's latency
                 added, done = commit(flight.gen, tree, v, self.eos, flight.max_new_tokens)
@@ -374,27 +378,40 @@ class Batch:
     def _draft(self, failed: dict[int, Exception]) -> tuple[list[Tree], list[float]]:
         """Every row's tree. The step's width is chosen first, for all rows together, from the chances each
         row's last growth placed (``batch_width``); then rows draft, those that emitted most last step first,
-        each sized for the whole step (``RowShare``): free up to the width so far, paying beyond it."""
+        each sized for the whole step (``RowShare``): free up to the width so far, paying beyond it.
+
+        A resting row (its last tree was cut to its root) drafts only in a step that is wide anyway: the width
+        counts every row's last guess, resting or not, so rows that together pay for a wider step wake up
+        together. A probe step (the cost model re-testing a width it believes unprofitable) sets the width
+        itself. Before the first step nothing is known about costs: no row drafts (it would be thrown away)."""
         n = len(self.flights)
         trees: list[Tree] = [Tree.root(f.context[-1]) for f in self.flights]
         seconds = [0.0] * n
-        width, self._guessed = 1, 0.0
-        if self.drafter.wants_costs:
-            chances = [[] if f.resting else f.chances for f in self.flights]
-            width = batch_width(self.engine.cost, chances, self.trust)
-            self._guessed = sum(sum(c[:width - 1]) for c in chances)
+        width, self._guessed, sized = 1, 0.0, self.drafter.wants_costs
+        cost = self.engine.cost
+        if sized:
+            probe = cost.probe()
+            if probe is not None:
+                cost.probing, width = True, probe
+            elif cost.forward_table(n)[1] == UNKNOWN:  # the first step: an ``ar`` step, timed
+                sized = False
+            else:
+                chances = [f.chances for f in self.flights]
+                width = batch_width(cost, chances, self.trust)
+                self._guessed = sum(sum(c[:width - 1]) for c in chances)
         expected, nodes = 0.0, 0
         for rank, i in enumerate(sorted(range(n), key=lambda j: -self.flights[j].last)):
             flight = self.flights[i]
             t0 = time.perf_counter()
             share = None
+            flight.drafted = not (flight.drafter.wants_costs and (not sized or flight.resting and width == 1))
             try:
-                if flight.resting:
-                    flight.resting -= 1
+                if not flight.drafted:
+                    flight.resting -= flight.resting > 0
                     trees[i] = flight.drafter.rest(flight.context)
                 elif flight.drafter.wants_costs:
                     rest = n - rank - 1  # rows still to draft: counted as their root alone
-                    share = RowShare(self.engine.cost, n, width, expected + rest, nodes + rest)
+                    share = RowShare(cost, n, width, expected + rest, nodes + rest)
                     flight.drafter.cost = share
                     trees[i] = flight.drafter.propose(flight.context, self._room(flight))
                     flight.chances = share.grown_chances()

@@ -134,7 +134,8 @@ class StaticBatchEngine(BatchEngine):
     @torch.inference_mode()
     def measure_costs(self, prompt: Prompt, reps: int = 3) -> float:
         """Time a full-slot step of every width bucket (every step runs every slot, so rows do not change its
-        cost); the first run of each shape is untimed (compilation, graph capture). Seconds spent."""
+        cost); the first run of each shape is untimed (compilation, graph capture): the warm-up of a compiled
+        run. Seconds spent."""
         t0 = time.perf_counter()
         self.join([prompt] * self.max_batch)
         start = self.top
@@ -152,7 +153,6 @@ class StaticBatchEngine(BatchEngine):
                 self.top = start
                 compat.set_length(self.cache, start)
             timings.append(sorted(runs[1:])[len(runs[1:]) // 2])
-        for curve in self.cost.by_rows.values():
-            curve.set(timings)
+        self.cost.set_all(timings)
         self.leave(list(range(len(self.slots))))
         return time.perf_counter() - t0

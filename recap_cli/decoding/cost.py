@@ -10,29 +10,89 @@ nothing is predictable a step costs what an ``ar`` step costs.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 REFRESH = 16
+UNKNOWN = math.inf  # the cost of a size nothing has timed yet, nor can be inferred: no normal step goes there
+PROBE_FIRST, PROBE_MOST = 4, 256  # steps between probes: soon at first, then doubling while probes confirm
+CORRECTED = 0.75  # a probe that took less than this share of the estimate shows the estimate was wrong
+
+
+class Probes:
+    """When a step is a probe, and of which size: the cost model's guard against locking itself out.
+
+    A size's estimate is corrected only by steps of about that size, and a size believed unprofitable is never
+    chosen: one pessimistic estimate (a start-up timing or a first step taken while the machine was busy, a
+    spike) would stand for the rest of the run, and with it the trees it rules out. So every ``interval`` steps
+    one step is a probe: its tree may grow, as if nodes cost nothing, up to a ``rung``: one of the next two
+    power-of-two sizes (or buckets) above the widest step since the last probe, alternately. What it took is
+    believed at once where it is cheaper than the estimate (timing noise on a shared machine only ever adds
+    time). The interval doubles while probes confirm the estimates, up to PROBE_MOST steps (the cost of a
+    steady run: one step in 256 a little wider than it pays), and falls back to PROBE_FIRST when one corrects
+    them. The first probe comes at the second step: the run's own steps are the only timing the model starts
+    from (nothing is timed on copies of a prompt that may be an outlier).
+    """
+
+    def __init__(self, sizes: Sequence[int], buckets: bool):
+        self.rungs = tuple(s for s in sizes if s >= 2 and (buckets or s & (s - 1) == 0))
+        self.interval, self.countdown = PROBE_FIRST, 1
+        self.widest = 1  # the widest normal step since the last probe
+        self.last = 0  # the rung of the last probe
+        self.rung: int | None = None  # the size of the probe that is due, None while none is
+
+    def reset(self) -> None:
+        """Every size was just timed (a warm-up): the first probe waits a whole interval."""
+        self.interval = self.countdown = PROBE_FIRST
+        self.widest, self.last, self.rung = 1, 0, None
+
+    def step(self, tokens: int) -> None:
+        """A normal (not probing) step of ``tokens`` tokens was observed."""
+        self.widest = max(self.widest, tokens)
+        if self.rung is None:
+            self.countdown -= 1
+            if self.countdown <= 0:
+                self.rung = self._next_rung()
+
+    def done(self, corrected: bool) -> None:
+        """A probe step was observed; ``corrected``: it changed an estimate (a first timing, or a much lower one)."""
+        self.interval = PROBE_FIRST if corrected else min(2 * self.interval, PROBE_MOST)
+        self.countdown, self.rung, self.widest = self.interval, None, 1
+
+    def _next_rung(self) -> int | None:
+        above = [r for r in self.rungs if r > self.widest][:2]
+        if not above:  # the widest size is in use: nothing above it to re-test
+            self.done(False)
+            return None
+        self.last = next((r for r in above if r > self.last), above[0])
+        return self.last
 
 
 class StepCost:
     """Seconds per verification step as a function of the tokens in the forward pass.
 
-    Starts from a timing of every size in ``sizes`` (``Engine.measure_costs``) and follows the run: each
-    observed step moves the two grid sizes around it towards what it took (weighted by distance), so the model
-    tracks a machine that gets busier or a prefix that grows. Between grid sizes cost is linear; with
-    ``buckets`` (a static-shape engine pads every step to a bucket) a step costs what its bucket costs. A later
-    batched engine asks ``cost(total tokens in the step)``.
+    Starts knowing nothing (or a warm-up timing, ``set``) and learns from the run's own steps: each observed
+    step moves the two grid sizes around it towards what it took (weighted by distance), so the model tracks a
+    machine that gets busier or a prefix that grows; the first step at a size sets it. A size never stepped at is
+    inferred from those that were (``_fill``): linear in between, linear one doubling beyond the largest (a
+    bigger guess would be a leap: farther sizes are reached by growing into them or by a probe, see ``Probes``),
+    UNKNOWN past that. With ``buckets`` (a static-shape engine pads every step to a bucket) a step costs what
+    its bucket costs. ``alpha = 0`` freezes the model (given costs, e.g. projected ones): no learning, no probes.
     """
 
-    def __init__(self, sizes: Sequence[int] = SIZES, buckets: Sequence[int] | None = None, alpha: float = 0.05):
+    def __init__(self, sizes: Sequence[int] = SIZES, buckets: Sequence[int] | None = None, alpha: float = 0.05,
+                 probes: bool = True):
         self.sizes = tuple(buckets or sizes)
         self.buckets = tuple(buckets) if buckets else None
         self.alpha = alpha
-        self.seconds: list[float] | None = None  # per grid size, None until measured
+        self.seconds: list[float] | None = None  # per grid size (timed, observed or inferred); None until any is
+        self.known = [False] * len(self.sizes)  # timed or observed, not inferred
         self.host_per_node = 0.0  # drafting work (propose + observe) per tree node, seconds
+        self.probes = Probes(self.sizes, self.buckets is not None) if probes else None
+        self.probing = False  # the step being drafted is a probe (set by ``chooser``)
+        self.templates: Callable[[], list[list[float]]] | None = None  # neighbours' shapes (``BatchCost``)
         self._table: list[float] | None = None  # forward(n) for n = 0..max, rebuilt lazily after updates
         self._with_host: tuple | None = None  # (the forward table it was built from, T(n))
         self._stale = 0  # observations since the table was built: estimates move slowly, so it is rebuilt
@@ -46,33 +106,85 @@ class StepCost:
     def max_tokens(self) -> int:
         return self.sizes[-1]
 
+    @property
+    def frozen(self) -> bool:
+        return self.alpha == 0
+
     def chooser(self) -> "SizeChooser":
-        """A fresh stop rule for one tree's best-first growth (one request per step: batch 1)."""
+        """A fresh stop rule for one tree's best-first growth (one request per step: batch 1). When a probe is
+        due, the tree may grow up to the probe's size as if its nodes cost nothing."""
+        rung = self.probe()
+        if rung is not None:
+            self.probing = True
+            first = self.table()[1]
+            return SizeChooser([0.0] + [first if first < UNKNOWN else 1.0] * rung, rung)
         return SizeChooser(self.table(), self.max_tokens)
 
     def best_size(self, chances: Sequence[float]) -> int:
         return best_size(chances, self.chooser())
 
+    def probe(self) -> int | None:
+        """The size the next step probes, or None (no probe due, or frozen costs)."""
+        if self.probes is None or self.frozen or self.seconds is None:
+            return None
+        return self.probes.rung
+
     def set(self, seconds: Sequence[float]) -> None:
-        """The warm-up timing, one figure per grid size."""
+        """A timing of every grid size (a warm-up, or given costs)."""
         if len(seconds) != len(self.sizes):
             raise ValueError("one timing per grid size")
         self.seconds = list(seconds)
-        self._table = self._with_host = None
-        self._stale = 0
+        self.known = [True] * len(self.sizes)
+        if self.probes is not None:
+            self.probes.reset()
+        self._changed()
 
-    def observe(self, tokens: int, seconds: float, weight: float = 1.0) -> None:
+    def observe(self, tokens: int, seconds: float, weight: float = 1.0, bound: bool = True) -> bool:
         """A verification step of ``tokens`` took ``seconds`` (``weight``: how much this curve owns the step,
         when a batched step falls between two curves). One slow outlier (another process, a page fault) counts
-        at most three times the current estimate, so it cannot make a size look unaffordable for good."""
+        at most three times the current estimate, so it cannot make a size look unaffordable for good. Timing
+        noise on a shared machine only ever adds time, so a step under half its estimate moves it halfway (the
+        machine or the prefix changed), and a probe (``chooser`` handed one out) is believed at once where it
+        is cheaper than the estimate. ``bound``: no smaller step costs more than this one took (a bigger tree
+        is never cheaper). Returns whether an estimate was corrected: a size timed for the first time, or one a
+        probe found much cheaper."""
+        probing, self.probing = self.probing, False
+        if self.frozen:
+            return False
         if self.seconds is None:
-            return
+            self.seconds = [UNKNOWN] * len(self.sizes)
         lo, hi, w = self._bracket(tokens)
+        corrected = first = surprised = False  # surprised: a step far from its estimate (rebuild the tables now)
         for j, share in ((lo, 1.0 - w), (hi, w)):
-            if share > 0:
-                s = min(seconds, 3 * self.seconds[j])
-                self.seconds[j] += self.alpha * weight * share * (s - self.seconds[j])
-        self._stale += 1
+            if share <= 0:
+                continue
+            if not self.known[j]:
+                if weight * share >= 0.5:  # the nearer grid size takes the first timing whole
+                    self.seconds[j], self.known[j], corrected = seconds, True, True
+                    first = True
+                continue
+            estimate = self.seconds[j]
+            if probing and seconds < estimate:
+                corrected |= seconds < CORRECTED * estimate
+                self.seconds[j] += weight * share * (seconds - estimate)
+            else:
+                rate = self.alpha if seconds > estimate / 2 else max(self.alpha, 0.5)
+                self.seconds[j] += rate * weight * share * (min(seconds, 3 * estimate) - estimate)
+                surprised |= not estimate / 2 < seconds < 2 * estimate
+        if bound:
+            for j in range(bisect.bisect_left(self.sizes, tokens)):
+                if self.known[j] and self.seconds[j] > seconds:
+                    self.seconds[j] = seconds
+        if self.probes is not None:
+            if probing and tokens >= 2:
+                self.probes.done(corrected)
+            elif not probing:
+                self.probes.step(tokens)
+        if first or surprised or (probing and corrected):
+            self._changed()
+        else:
+            self._stale += 1
+        return corrected
 
     def observe_host(self, nodes: int, seconds: float) -> None:
         """Drafting time of one step (propose + observe) for a tree of ``nodes`` nodes."""
@@ -80,12 +192,17 @@ class StepCost:
             self.host_per_node += 0.1 * (seconds / nodes - self.host_per_node)
 
     def __call__(self, tokens: int) -> float:
-        """Forward-pass seconds for a step of ``tokens`` tokens (the root included; at most ``max_tokens``)."""
-        assert self.seconds is not None, "measure the step costs first"
+        """Forward-pass seconds for a step of ``tokens`` tokens (the root included; at most ``max_tokens``);
+        UNKNOWN where nothing timed it."""
+        if self.seconds is None:
+            return UNKNOWN
         if self.buckets:
             return self.seconds[min(bisect.bisect_left(self.buckets, tokens), len(self.buckets) - 1)]
         lo, hi, w = self._bracket(tokens)
-        return self.seconds[lo] + w * (self.seconds[hi] - self.seconds[lo])
+        a, b = self.seconds[lo], self.seconds[hi]
+        if w == 0.0 or a == b:
+            return a
+        return UNKNOWN if UNKNOWN in (a, b) else a + w * (b - a)
 
     def table(self) -> list[float]:
         """T(n) for n = 0..max_tokens: forward pass + drafting, made non-decreasing (a measured dip at some
@@ -103,11 +220,58 @@ class StepCost:
         observations."""
         if self._table is None or self._stale >= REFRESH:
             self._stale = 0
+            self._fill(self.templates() if self.templates is not None else ())
             t = [0.0]
             for n in range(1, self.max_tokens + 1):
                 t.append(max(t[-1], self(n)))
             self._table = t
         return self._table
+
+    def _changed(self) -> None:
+        """An estimate moved a lot (a first timing, a probe's correction): rebuild the tables at the next read."""
+        self._stale = REFRESH
+
+    def _fill(self, templates: Sequence[Sequence[float]] = ()) -> None:
+        """Infer the sizes nothing has timed from those something has: linear between two timed sizes; above the
+        largest, the shape of the first of ``templates`` (other curves' own values: a batched step's neighbours,
+        nearest first) that has one, else linear from the two largest timed sizes above 1 (a one-token step
+        carries no mask: no slope from it), one doubling at most; below the smallest, that one's cost; UNKNOWN
+        where nothing says anything. A curve nothing has timed is the first template."""
+        known = [j for j, k in enumerate(self.known) if k]
+        if not known:
+            if templates:
+                self.seconds = list(templates[0])
+            return
+        s, sizes = self.seconds, self.sizes
+        top = known[-1]
+        wide = [j for j in known if sizes[j] >= 2][-2:]
+        slope = 0.0
+        if len(wide) == 2:
+            slope = max(0.0, (s[wide[1]] - s[wide[0]]) / (sizes[wide[1]] - sizes[wide[0]]))
+        before = known[0]
+        for j in range(len(sizes)):
+            if self.known[j]:
+                before = j
+                continue
+            if j < known[0]:
+                s[j] = s[known[0]]
+            elif j < top:
+                after = next(k for k in known if k > j)
+                f = (sizes[j] - sizes[before]) / (sizes[after] - sizes[before])
+                s[j] = s[before] + f * (s[after] - s[before])
+            elif (shape := next((t for t in templates if t[j] < UNKNOWN and t[top] < UNKNOWN), None)) is not None:
+                s[j] = s[top] * shape[j] / shape[top]
+            elif sizes[j] <= 2 * sizes[top]:
+                s[j] = s[top] + slope * (sizes[j] - sizes[top])
+            else:
+                s[j] = UNKNOWN
+
+    def own_values(self) -> list[float]:
+        """The grid's values inferred from this curve's own timings alone (for a neighbour's ``_fill``)."""
+        mine = StepCost(self.sizes, self.buckets, probes=False)
+        mine.seconds, mine.known = list(self.seconds) if self.seconds else None, list(self.known)
+        mine._fill()
+        return mine.seconds or [UNKNOWN] * len(self.sizes)
 
     def _bracket(self, tokens: int) -> tuple[int, int, float]:
         """Grid indices around ``tokens`` and the interpolation weight of the upper one."""
@@ -133,30 +297,68 @@ class BatchCost:
 
     Not a function of B * T alone: each row attends over its own cache, which grows with B (2 CPU cores, demo
     model, 300 cached positions: sixteen rows of one token cost 7.1 ms, one row of sixteen tokens 5.0 ms).
+    Learned from the run's own steps, like ``StepCost``, with one probe schedule for the whole batch (a probe
+    step lets every row's tree grow, at no believed cost, up to the probe's width). A row count whose curve has
+    not been timed at some width borrows the shape of the nearest row count's curve that has (a width costs
+    about the same multiple of a one-node step at 12 rows as at 16), scaled to its own timings.
     """
 
     def __init__(self, max_batch: int, per_row: int, buckets: Sequence[int] | None = None):
         self.rows = tuple(sorted({r for r in ROWS if r < max_batch} | {max_batch}))
         widths = tuple(sorted({w for w in WIDTHS if w < per_row} | {per_row}))
-        # Faster to follow than batch 1's: start-up timings are taken on one prompt's short prefix, while a
-        # run's rows are ragged and their caches grow (a wide step at 16 rows then costs 15-30% more than
-        # measured); wide steps are rare, so each must count. ``buckets``: a static-shape engine pads every
-        # step to a width bucket (and runs every slot), so a step costs its bucket's.
-        self.by_rows = {r: StepCost(widths, buckets=buckets, alpha=0.2) for r in self.rows}
+        # Faster to follow than batch 1's: a run's rows are ragged and their caches grow (a wide step at 16 rows
+        # costs 15-30% more late in a run than early); wide steps are rare, so each must count. ``buckets``: a
+        # static-shape engine pads every step to a width bucket (and runs every slot), so a step costs its bucket's.
+        self.by_rows = {r: StepCost(widths, buckets=buckets, alpha=0.2, probes=False) for r in self.rows}
+        for r, curve in self.by_rows.items():
+            curve.templates = self._templates_for(r)
         self.max_width = per_row
         self.host_per_node = 0.0
+        self.probes = Probes(buckets or widths, buckets is not None)
+        self.probing = False  # the step being drafted is a probe (set by the batch, see ``probe``)
+        self._stale = 0
         self._tables: dict[int, tuple[list[float], list[float], list[float]]] = {}
 
     @property
     def measured(self) -> bool:
         return all(c.measured for c in self.by_rows.values())
 
+    @property
+    def frozen(self) -> bool:
+        return all(c.frozen for c in self.by_rows.values())
+
+    def probe(self) -> int | None:
+        """The width the next step probes (every row's tree may grow to it), or None."""
+        if self.frozen or not any(any(c.known) for c in self.by_rows.values()):
+            return None
+        return self.probes.rung
+
+    def set_all(self, seconds: Sequence[float]) -> None:
+        """Every row count costs these (a static-shape engine runs every slot every step)."""
+        for curve in self.by_rows.values():
+            curve.set(seconds)
+        self.probes.reset()
+
     def observe(self, rows: int, width: int, seconds: float) -> None:
-        """A step of ``rows`` rows at width ``width`` took ``seconds``: the cells around it move towards it."""
+        """A step of ``rows`` rows at width ``width`` took ``seconds``: the cells around it move towards it (only
+        the curve of fewer rows learns that its narrower steps cost no more)."""
+        probing, self.probing = self.probing, False
         lo, hi, w = self._bracket(rows)
-        self.by_rows[lo].observe(width, seconds, 1.0 - w)
+        self.by_rows[lo].probing = probing
+        corrected = self.by_rows[lo].observe(width, seconds, 1.0 - w)
         if hi != lo:
-            self.by_rows[hi].observe(width, seconds, w)
+            self.by_rows[hi].probing = probing
+            corrected |= self.by_rows[hi].observe(width, seconds, w, bound=False)
+        if not self.frozen:
+            if probing and width >= 2:
+                self.probes.done(corrected)
+            elif not probing:
+                self.probes.step(width)
+        self._stale += 1
+        if corrected or self._stale >= REFRESH:  # neighbours' shapes changed too: every curve rebuilds
+            self._stale = 0
+            for curve in self.by_rows.values():
+                curve._changed()
 
     def observe_host(self, nodes: int, seconds: float) -> None:
         """Drafting time of one row's step (propose + observe) for a tree of ``nodes`` nodes."""
@@ -169,9 +371,19 @@ class BatchCost:
         low, high = self.by_rows[lo].forward_table(), self.by_rows[hi].forward_table()
         cached = self._tables.get(rows)
         if cached is None or cached[0] is not low or cached[1] is not high:
-            cached = (low, high, [a + w * (b - a) for a, b in zip(low, high)])
+            mixed = low if w == 0.0 else [UNKNOWN if UNKNOWN in (a, b) else a + w * (b - a)
+                                         for a, b in zip(low, high)]
+            cached = (low, high, mixed)
             self._tables[rows] = cached
         return cached[2]
+
+    def _templates_for(self, rows: int):
+        """The other row counts' own values, nearest first (ties: more rows, the dearer guess)."""
+        others = sorted((r for r in self.rows if r != rows), key=lambda r: (abs(r - rows), -r))
+
+        def templates() -> list[list[float]]:
+            return [self.by_rows[r].own_values() for r in others if any(self.by_rows[r].known)]
+        return templates
 
     def _bracket(self, rows: int) -> tuple[int, int, float]:
         grid = self.rows
@@ -203,8 +415,9 @@ class RowShare:
 
     def table(self) -> ShareTable:
         forward = self.cost.forward_table(self.rows)
-        return ShareTable(forward, forward[min(self.width, self.max_tokens)], self.cost.host_per_node,
-                          self.other_nodes)
+        width = min(self.width, self.max_tokens)
+        floor = forward[width] if forward[width] < UNKNOWN else forward[1]  # a probe's width may be untimed
+        return ShareTable(forward, width, floor, self.cost.host_per_node, self.other_nodes)
 
     def chooser(self) -> SizeChooser:
         self._chooser = SizeChooser(self.table(), self.max_tokens, base=self.base)
@@ -232,19 +445,24 @@ def batch_width(cost: BatchCost, chances: list[list[float]], trust: float = 1.0)
     may fill its tree up to it: row r emits 1 + its first w - 1 chances (``chances[r]``, best first; from its
     last tree, so scaled by ``trust``, what such guesses turned out to be worth). Rows size their trees one by
     one, and each alone seldom pays for widening every row's forward pass; together they may, so the width is
-    chosen for all of them first."""
+    chosen for all of them first. Each row's chances come best first, so the tokens one more node a row adds
+    never grow with the width: the search stops where even that many more, at the next width's cost, cannot win."""
     rows, forward, h = len(chances), cost.forward_table(len(chances)), cost.host_per_node
     best_w, best_rate = 1, rows / (forward[1] + h * rows)
     expected, nodes = float(rows), rows
     longest = min(max((len(c) for c in chances), default=0) + 1, cost.max_width)
     for w in range(2, longest + 1):
+        gain = 0.0
         for c in chances:
             if len(c) >= w - 1:
-                expected += trust * c[w - 2]
+                gain += trust * c[w - 2]
                 nodes += 1
+        expected += gain
         rate = expected / (forward[w] + h * nodes)
         if rate > best_rate:
             best_w, best_rate = w, rate
+        if w == longest or (expected + (longest - w) * gain) / (forward[w + 1] + h * nodes) <= best_rate:
+            break
     return best_w
 
 
@@ -252,8 +470,9 @@ class ShareTable:
     """T(n) of a row's share, n = 0..max_width, read lazily: growth stops after a few sizes, and building the
     whole table for every row of every step would cost more host time than the reads."""
 
-    def __init__(self, forward: list[float], floor: float, host_per_node: float, other_nodes: int):
-        self.forward, self.floor, self.h, self.others = forward, floor, host_per_node, other_nodes
+    def __init__(self, forward: list[float], width: int, floor: float, host_per_node: float, other_nodes: int):
+        self.forward, self.width, self.floor = forward, width, floor
+        self.h, self.others = host_per_node, other_nodes
 
     def __len__(self) -> int:
         return len(self.forward)
@@ -261,7 +480,8 @@ class ShareTable:
     def __getitem__(self, n: int) -> float:
         if n == 0:
             return 0.0
-        return max(self.floor, self.forward[n]) + self.h * (self.others + n)
+        forward = self.floor if n <= self.width else max(self.floor, self.forward[n])  # up to the width: paid
+        return forward + self.h * (self.others + n)
 
 
 class SizeChooser:

@@ -27,7 +27,8 @@ class Engine:
 
     ``static=True`` preallocates the KV cache and pads every step to a node-count bucket, so each step has one
     of a few fixed shapes: what CUDA graphs need (``compile=True`` captures them with torch.compile).
-    ``cost`` is what a step costs here, measured (``measure_costs``) and followed step by step; drafters read it.
+    ``cost`` is what a step costs here, learned from the steps themselves (and probes: recap_cli/decoding/cost.py);
+    drafters read it. ``measure_costs`` times every size up front instead, for benchmarks.
     """
 
     def __init__(self, adapter: Adapter, top_k: int = 8, static: bool = False, compile: bool = False,
@@ -45,8 +46,15 @@ class Engine:
         self.min_capacity = min_capacity  # a cache that never has to grow keeps captured graphs valid
         self.length = 0
         self.rope_delta = 0
-        max_size = max(buckets) if self.static else (128 if self.device.type == "cuda" else 64)
-        self.cost = StepCost(buckets=buckets) if self.static else StepCost([s for s in SIZES if s <= max_size])
+        self.cost = self.new_cost()
+
+    def new_cost(self) -> StepCost:
+        """A cost model that knows nothing yet: over the buckets (static shapes), else the sizes up to the largest
+        tree (128 nodes on a GPU, where a wide step costs about what a narrow one does; 64 on a CPU)."""
+        if self.static:
+            return StepCost(buckets=self.buckets)
+        max_size = 128 if self.device.type == "cuda" else 64
+        return StepCost([s for s in SIZES if s <= max_size])
 
     def _new_cache(self, need: int) -> None:
         if not self.static:
@@ -108,11 +116,13 @@ class Engine:
         return ids, pos, mask
 
     def warm_up(self, prompt: Prompt) -> float:
-        """Run one step of every bucket once, so compilation / graph capture happens before timed work."""
+        """Run one step of every bucket once, so compilation / graph capture happens before timed work (and is
+        not taken for what those steps cost)."""
         t0 = time.perf_counter()
         for size in self.buckets:
             self.prefill(prompt, reserve=max(self.buckets))
             self.verify(Tree(tokens=[0] * size, parents=[-1] + [0] * (size - 1)))
+        self.cost = self.new_cost()
         return time.perf_counter() - t0
 
     @torch.inference_mode()
@@ -232,10 +242,8 @@ def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int) -> Ge
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
     eos = engine.adapter.eos_token_ids
-    if drafter.wants_costs:  # once per engine: time every step size on the first request's prefix
+    if drafter.wants_costs:  # the engine's cost model learns from the steps themselves: nothing is timed here
         drafter.cost = engine.cost
-        if not engine.cost.measured:
-            engine.measure_costs(prompt)
     gen = Generation()
     t0 = time.perf_counter()
     first, rows = engine.prefill(prompt, want_rows=drafter.wants_prefill_rows, reserve=max_new_tokens)

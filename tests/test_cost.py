@@ -1,0 +1,343 @@
+"""The step-cost model learns from the run's own steps and cannot lock itself out of drafting.
+
+Timings here are never this machine's: every test gives the cost model a known "true" step cost (what the step
+would have taken) in place of the measured seconds, so what is asserted is what the model learned and which
+sizes the run stepped at, never how fast anything ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from recap_cli.batch import answer_all
+from recap_cli.decoding.batched import BatchEngine
+from recap_cli.decoding.cost import PROBE_FIRST, PROBE_MOST, UNKNOWN, BatchCost, Probes, StepCost, batch_width
+from recap_cli.decoding.engine import Engine, generate
+from recap_cli.decoding.tree import Source, Tree
+from recap_cli.drafters import Drafter
+from recap_cli.records import Request
+from recap_cli.session import Session
+
+from .conftest import request
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def cpu_like(n: int) -> float:
+    """A one-row step of n tokens: 10 ms, plus a mask, plus 0.1 ms a token (seconds)."""
+    return 0.010 + (0.002 if n > 1 else 0.0) + 0.0001 * n
+
+
+def rows_like(rows: int, width: int) -> float:
+    """A batched step: a fixed 5 ms, plus 1 ms a row, plus 0.05 ms a token (seconds)."""
+    return 0.005 + 0.001 * rows + 0.00005 * rows * width
+
+
+def grow(cost, chances) -> int:
+    """What a best-first drafter does with ``cost``: places nodes of these path chances while bigger could pay."""
+    sizer = cost.chooser()
+    for chance in chances:
+        if not sizer.worth_growing(chance):
+            break
+        sizer.place(chance)
+    return sizer.size
+
+
+GOOD = [0.95 ** (i + 1) for i in range(63)]  # a long chain the model would mostly accept
+
+
+# --- the model alone ----------------------------------------------------------------------------------------
+
+
+def test_a_pessimistic_start_is_corrected_by_probes():
+    """Wide steps timed 20x too dear (a start-up taken while the machine was busy): without probes only
+    one-token steps ever run and the estimates are never corrected; with them drafting comes back within a few
+    probe intervals, and the estimate of the size in use ends close to the truth."""
+    sizes_seen = {}
+    for probes in (False, True):
+        cost = StepCost(SIZES, probes=probes)
+        cost.set([cpu_like(n) * (20 if n > 1 else 1) for n in SIZES])
+        sizes = []
+        for _ in range(300):
+            size = grow(cost, GOOD)
+            sizes.append(size)
+            cost.observe(size, cpu_like(size))
+        sizes_seen[probes] = sizes
+    assert set(sizes_seen[False]) == {1}
+    recovered = sizes_seen[True]
+    first = next(i for i, s in enumerate(recovered) if s > 1)
+    assert first <= PROBE_FIRST + 1  # the first probe
+    assert min(recovered[60:]) >= 8  # normal steps draft again, and wide: the probes climbed
+    in_use = recovered[-1]
+    assert cost(in_use) == pytest.approx(cpu_like(in_use), rel=0.1)
+
+
+def test_an_optimistic_start_is_corrected_by_the_steps_it_causes():
+    """Wide steps believed as cheap as one token while they cost 10x: the trees they invite are timed, and the
+    model learns enough of their price to stop drafting them (one slow step moves an estimate by at most a
+    tenth at batch 1: a spike cannot make a size look unaffordable for good)."""
+    dear = lambda n: 0.010 * (1 + 9 * (n > 1)) + 0.001 * n  # noqa: E731 - any step above one token is dear
+    cost = StepCost(SIZES)
+    cost.set([0.010] * len(SIZES))
+    chances = [0.6 ** (i + 1) for i in range(63)]  # a few nodes' worth at best, not 10x
+    sizes = []
+    for _ in range(200):
+        size = grow(cost, chances)
+        sizes.append(size)
+        cost.observe(size, dear(size))
+    assert sizes[0] == 64 and sizes[60:].count(1) > 0.9 * len(sizes[60:])  # from the largest tree to the root
+    assert all(cost(n) > 1.5 * 0.010 for n in SIZES[1:])
+
+
+def test_costs_are_learned_from_the_steps_nothing_is_timed_up_front():
+    """A fresh model knows nothing: the first step is the root alone, the second probes two tokens, and what
+    was not stepped at is inferred one doubling beyond the widest size stepped at, and not farther."""
+    cost = StepCost(SIZES)
+    assert not cost.measured and grow(cost, GOOD) == 1
+    cost.observe(1, cpu_like(1))
+    assert cost.probe() == 2
+    assert grow(cost, GOOD) == 2  # a probe: free up to its size
+    cost.observe(2, cpu_like(2))
+    assert cost.known == [True, True, False, False, False, False, False]
+    cost.forward_table()
+    assert cost(4) == pytest.approx(cpu_like(2))  # one timing above one token: flat to the next doubling
+    assert cost(8) == UNKNOWN
+    cost.observe(4, cpu_like(4))
+    cost.forward_table()
+    assert cost(8) == pytest.approx(cpu_like(8))  # linear from the two widest timed sizes (one is exact here)
+    assert cost(16) == UNKNOWN
+
+
+def test_the_probe_schedule_backs_off_while_probes_confirm_and_climbs():
+    probes = Probes(SIZES, buckets=False)
+    probes.step(1)
+    assert probes.rung == 2  # right after the first step
+    probes.done(True)
+    assert probes.countdown == PROBE_FIRST
+    intervals = []
+    for _ in range(8):
+        for _ in range(probes.countdown):
+            probes.step(8)  # the run uses 8-node trees
+        assert probes.rung in (16, 32)  # the next two sizes above the widest in use, alternately
+        intervals.append(probes.interval)
+        probes.done(False)
+    assert intervals == [min(PROBE_FIRST * 2 ** i, PROBE_MOST) for i in range(8)]  # at most one in PROBE_MOST
+    buckets = Probes((1, 16, 32, 64, 128), buckets=True)
+    buckets.step(1)
+    assert buckets.rung == 16
+
+
+def test_a_row_count_borrows_the_shape_of_its_nearest_timed_neighbour():
+    cost = BatchCost(max_batch=16, per_row=16)
+    for width in (1, 2, 4, 8):
+        cost.observe(16, width, rows_like(16, width))
+    cost.observe(4, 1, rows_like(4, 1))
+    table = cost.forward_table(4)
+    assert table[1] == pytest.approx(rows_like(4, 1))
+    # No 4-row step was wider than one token: its curve takes the 16-row curve's multiples of a one-token step.
+    assert table[8] == pytest.approx(rows_like(4, 1) * rows_like(16, 8) / rows_like(16, 1))
+    assert cost.forward_table(16)[16] == pytest.approx(rows_like(16, 8) + 8 * (rows_like(16, 8) - rows_like(16, 4))
+                                                       / 4)
+    assert batch_width(cost, [GOOD] * 4) > 1
+
+
+def test_a_frozen_model_never_probes():
+    cost = StepCost(SIZES, alpha=0.0)
+    cost.set([1.0 if n <= 16 else 1e3 for n in SIZES])
+    for _ in range(100):
+        size = grow(cost, GOOD)
+        assert size == 16
+        cost.observe(size, 0.001)
+    assert cost(16) == 1.0 and cost.probe() is None
+
+
+# --- on a model: every engine ---------------------------------------------------------------------------------
+
+QUESTIONS = ["What colour is the square?", "Describe the picture in one sentence, please.", "hi",
+             "Summarise: the quick brown fox jumps over the lazy dog and runs into the forest."]
+NEW = 40
+
+
+class ChainOracle(Drafter):
+    """Good candidates: the true greedy continuation (from a reference run) as a chain, each node given chance
+    0.95 of its parent's, sized by the cost model like any ``auto`` drafter."""
+
+    name = "oracle"
+    wants_costs = True
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], most: int = 63):
+        self.references, self.most = references, most
+        self.prompt: tuple[int, ...] = ()
+
+    def start(self, prompt, rows):
+        self.prompt = tuple(prompt)
+
+    def propose(self, context, room):
+        done = len(context) - len(self.prompt)
+        follow = self.references[self.prompt][done:done + min(room, self.most)]
+        sizer = self.cost.chooser()
+        placed = 0
+        for i in range(len(follow)):
+            if not sizer.worth_growing(0.95 ** (i + 1)):
+                break
+            sizer.place(0.95 ** (i + 1))
+            placed += 1
+        self.grown = placed + 1
+        tree = Tree.root(context[-1])
+        for i, token in enumerate(follow[:sizer.size - 1]):
+            tree.tokens.append(token)
+            tree.parents.append(i)
+            tree.sources.append(Source.OTHER)
+        return tree
+
+
+_REFERENCES: dict[tuple[int, str], list[int]] = {}
+
+
+def references(adapter, questions=QUESTIONS) -> dict[tuple[int, ...], list[int]]:
+    """Each question's prompt ids -> its greedy continuation (one-token steps), computed once per question."""
+    out = {}
+    for q in questions:
+        prompt = adapter.build(*request("text", q))
+        if (id(adapter), q) not in _REFERENCES:
+            _REFERENCES[id(adapter), q] = generate(Engine(adapter), prompt, Drafter(), NEW).tokens
+        out[tuple(prompt.input_ids[0].tolist())] = _REFERENCES[id(adapter), q]
+    return out
+
+
+def text_requests(questions=QUESTIONS, repeat: int = 2) -> list[Request]:
+    return [Request(line=i + 1, id=f"r{i}", turns=[q], max_new_tokens=NEW)
+            for i, q in enumerate(list(questions) * repeat)]
+
+
+def true_timing(session: Session, widths: list[int], pessimistic: bool) -> None:
+    """The engine's cost model sees the true cost of each step (``cpu_like``/``rows_like``, by the padded width
+    the step ran at), after a start-up that priced wide steps 20x too dear if ``pessimistic``."""
+    engine = session.batch_engine or session.engine
+    cost = engine.cost
+    if isinstance(cost, BatchCost):
+        if pessimistic:
+            for rows, curve in cost.by_rows.items():
+                curve.set([rows_like(rows, w) * (20 if w > 1 else 1) for w in curve.sizes])
+            cost.probes.reset()
+        real = cost.observe
+
+        def observe(rows, width, seconds):
+            widths.append(width)
+            real(rows, width, rows_like(rows, width))
+    else:
+        if pessimistic:
+            cost.set([cpu_like(n) * (20 if n > 1 else 1) for n in cost.sizes])
+        real = cost.observe
+
+        def observe(tokens, seconds, weight=1.0, bound=True):
+            widths.append(tokens)
+            return real(tokens, cpu_like(tokens), weight, bound)
+    cost.observe = observe
+
+
+@pytest.mark.parametrize("batch,static", [(1, False), (1, True), (4, False), (4, True)])
+def test_drafting_recovers_from_a_pessimistic_start(get_adapter, batch, static, monkeypatch):
+    adapter = get_adapter("text")
+    refs = references(adapter)
+    want = [refs[tuple(adapter.build(*request("text", r.turns[0])).input_ids[0].tolist())][:NEW]
+            for r in text_requests()]
+    runs = {}
+    for probing in (False, True):
+        if not probing:
+            monkeypatch.setattr(Probes, "step", lambda self, tokens: None)  # no probe ever falls due
+        session = Session(adapter, "ar", batch=batch, static=static)
+        session.drafter = ChainOracle(refs)
+        widths: list[int] = []
+        true_timing(session, widths, pessimistic=True)
+        out = list(answer_all(session, text_requests(), "tiny", NEW))
+        assert [tokens[0] for _, tokens in out] == want  # exact either way
+        runs[probing] = widths
+        monkeypatch.undo()
+    assert max(runs[False]) == 1  # locked out: root-only steps throughout
+    recovered = runs[True]
+    assert next(i for i, w in enumerate(recovered) if w > 1) <= PROBE_FIRST + 1
+    later = recovered[len(recovered) // 2:]
+    assert sum(w > 1 for w in later) > 0.8 * len(later)  # normal steps draft again
+    assert len(recovered) < 0.5 * len(runs[False])  # and the good chains cut the steps by more than half
+
+
+def test_a_run_times_nothing_but_its_own_steps(get_adapter, monkeypatch):
+    """No start-up timing: every verification is a step of the run (one per step at batch > 1, one per
+    emitted step at batch 1), every prompt is prefilled once, and nothing is timed on copies of a prompt."""
+    adapter = get_adapter("text")
+    monkeypatch.setattr(BatchEngine, "measure_costs", lambda *a, **k: pytest.fail("timed on copies of a prompt"))
+    monkeypatch.setattr(Engine, "measure_costs", lambda *a, **k: pytest.fail("timed on copies of a prompt"))
+    for batch in (1, 4):
+        session = Session(adapter, "recap", batch=batch)
+        engine = session.batch_engine or session.engine
+        counts = {"verify": 0, "prompts": 0}
+        real_verify = engine.verify
+
+        def verify(trees, real_verify=real_verify):
+            counts["verify"] += 1
+            return real_verify(trees)
+
+        engine.verify = verify
+        if batch > 1:
+            real_join = engine.join
+
+            def join(prompts, want_rows=False, real_join=real_join):
+                counts["prompts"] += len(prompts)
+                return real_join(prompts, want_rows)
+
+            engine.join = join
+        else:
+            real_prefill = engine.prefill
+
+            def prefill(prompt, want_rows=False, reserve=256, real_prefill=real_prefill):
+                counts["prompts"] += 1
+                return real_prefill(prompt, want_rows, reserve)
+
+            engine.prefill = prefill
+        reqs = text_requests(repeat=1)
+        out = list(answer_all(session, reqs, "tiny", NEW))
+        assert counts["prompts"] == len(reqs)
+        assert counts["verify"] == (session.steps if batch > 1 else sum(r["steps"] for r, _ in out))
+        assert engine.cost.measured if batch == 1 else any(c.measured for c in engine.cost.by_rows.values())
+
+
+def test_a_long_first_prompt_weighs_only_on_the_steps_it_takes_part_in(get_adapter):
+    """One 600-token prompt first, short ones after (the start-up used to be timed on copies of the first):
+    a step's true cost grows with the longest cached row (its steps cost 20x a short one), and from the second
+    step after the long request has left the model's estimates of the short steps are within 1.5x of their
+    truth, and good chains are drafted throughout."""
+    adapter = get_adapter("text")
+    long_q = "a very long question " * 150
+    questions = [long_q] + QUESTIONS
+    refs = references(adapter, questions)
+    assert max(len(k) for k in refs) > 10 * min(len(k) for k in refs)
+    session = Session(adapter, "ar", batch=4)
+    session.drafter = ChainOracle(refs, most=4)  # short chains: many steps
+    engine, cost = session.batch_engine, session.batch_engine.cost
+    real = cost.observe
+    steps = []  # (longest cached row, rows, width, the estimate before the step, its truth)
+
+    def truth(rows, width):
+        return rows_like(rows, width) * (1 + engine.width / 50)
+
+    def observe(rows, width, seconds):
+        steps.append((engine.width, rows, width, cost.forward_table(rows)[width], truth(rows, width)))
+        real(rows, width, truth(rows, width))
+
+    cost.observe = observe
+    reqs = [Request(line=1, id="long", turns=[long_q], max_new_tokens=6)] + text_requests(repeat=3)[1:]
+    list(answer_all(session, reqs, "tiny", NEW))
+    short = [s for s in steps if s[0] < 200]
+    assert steps[0][0] > 500 and len(short) > 20  # the long prompt took part in the first steps only
+    settled = short[2:]  # a step or two after the long request left
+    assert all(estimate <= 1.5 * true for _, _, _, estimate, true in settled if estimate < UNKNOWN)
+    assert sum(w > 1 for _, _, w, _, _ in settled) > 0.8 * len(settled)
+
+
+def test_unknown_costs_make_the_first_batched_step_a_plain_one():
+    cost = BatchCost(max_batch=4, per_row=16)
+    assert cost.probe() is None and cost.forward_table(4)[1] == UNKNOWN
+    assert batch_width(cost, [GOOD] * 4) == 1
+    cost.observe(4, 1, rows_like(4, 1))
+    assert cost.probe() == 2
