@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import sys
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from . import compare as comparison
 from . import records, report, safety
 from .batch import Totals, answer_all, run_figures
+from .decoding import sampling
 from .decoding.batched import DEFAULT_BATCH, default_batch
 from .drafters import METHODS
 from .models import FAMILIES, ModelError, load, locate, on_disk
@@ -111,6 +113,17 @@ def run(
     workers: int = typer.Option(1, min=1, help="--ray: sessions answering in parallel, one model each"),
     gpus_per_worker: float = typer.Option(0.0, min=0, help="--ray: GPUs each worker reserves"),
     cpus_per_worker: float = typer.Option(1.0, min=0, help="--ray: CPUs each worker reserves"),
+    temperature: Optional[float] = typer.Option(None, help="sample at this temperature (0: greedy) [default: the "
+                                                "model's generation config, else greedy]"),
+    top_p: Optional[float] = typer.Option(None, help="sample from the smallest set of tokens holding this much "
+                                          "probability"),
+    top_k: Optional[int] = typer.Option(None, help="sample from the k most likely tokens (0: all; 1: greedy)"),
+    repetition_penalty: Optional[float] = typer.Option(None, help="divide the scores of tokens already in the "
+                                                       "prompt or answer by this (1: off)"),
+    seed: Optional[int] = typer.Option(None, help="seed of the sampled tokens: the same seed gives the same tokens "
+                                       "with every method and batch size [default: drawn, written to the records]"),
+    generation_config: str = typer.Option("model", help="model: start from the model's generation config, as "
+                                          "model.generate() does; greedy: from plain greedy decoding"),
 ) -> None:
     """Answer every request of INPUTS, one JSON line out per line in, in order."""
     _set_output(quiet)
@@ -129,16 +142,19 @@ def run(
         knobs["budget"] = _budget(method, budget)
     if compile not in ("auto", "on", "off"):
         fail("--compile takes auto, on or off")
+    decoding = _decoding_asked(generation_config, temperature=temperature, top_p=top_p, top_k=top_k,
+                               repetition_penalty=repetition_penalty, seed=seed)
     if ray is not None:
         job = dict(model=model, method=method, knobs=knobs, compile=compile, device=device, dtype=dtype, attn=attn,
-                   max_new_tokens=max_new_tokens, base=base, batch=batch)
+                   max_new_tokens=max_new_tokens, base=base, batch=batch, decoding=decoding)
         _run_on_ray(source, job, dict(address=ray, workers=workers, gpus_per_worker=gpus_per_worker,
                                       cpus_per_worker=cpus_per_worker), output, resume, memory, summary, total)
     adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
     batch = batch or default_batch(adapter.device.type)
+    settings = _settings(adapter, decoding)
     try:
         session = _session(adapter, method, knobs, compile == "on" or (compile == "auto" and batch == 1 and
-                                                                    adapter.device.type == "cuda"), batch)
+                                                                    adapter.device.type == "cuda"), batch, settings)
     except (ModelError, ValueError) as exc:
         fail(str(exc))
     if memory is not None and memory.is_file():
@@ -186,7 +202,8 @@ def run(
             stop = EXIT_CLOSED_STDOUT
     if memory is not None and session.save_memory(memory):
         info(f"memory saved to {memory}")
-    _report(totals, summary, stop, run_figures(totals, time.perf_counter() - t0, session.batch, session.occupancy))
+    figures = run_figures(totals, time.perf_counter() - t0, session.batch, session.occupancy)
+    _report(totals, summary, stop, {**figures, "decoding": {**settings.describe(), "seed": settings.seed}})
     if stop is not None:
         raise typer.Exit(stop)
     raise typer.Exit(EXIT_FAILED_RECORDS if totals.errors else EXIT_OK)
@@ -223,6 +240,17 @@ def compare(
     offline: bool = typer.Option(False, help="never ask the hub; use the local cache only (also HF_HUB_OFFLINE=1)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress or info lines on stderr (the result "
                                "tables and errors still print)"),
+    temperature: Optional[float] = typer.Option(None, help="sample at this temperature (0: greedy) [default: the "
+                                                "model's generation config, else greedy]"),
+    top_p: Optional[float] = typer.Option(None, help="sample from the smallest set of tokens holding this much "
+                                          "probability"),
+    top_k: Optional[int] = typer.Option(None, help="sample from the k most likely tokens (0: all; 1: greedy)"),
+    repetition_penalty: Optional[float] = typer.Option(None, help="divide the scores of tokens already in the "
+                                                       "prompt or answer by this (1: off)"),
+    seed: Optional[int] = typer.Option(None, help="seed of the sampled tokens: the same seed gives the same tokens "
+                                       "with every method and batch size [default: drawn, written to the records]"),
+    generation_config: str = typer.Option("model", help="model: start from the model's generation config, as "
+                                          "model.generate() does; greedy: from plain greedy decoding"),
 ) -> None:
     """Run every method on the same inputs, interleaved, and report speedups over the baseline.
 
@@ -234,6 +262,8 @@ def compare(
             comparison.parse_method(label)
     except ValueError as exc:
         fail(str(exc))
+    decoding = _decoding_asked(generation_config, temperature=temperature, top_p=top_p, top_k=top_k,
+                               repetition_penalty=repetition_penalty, seed=seed)
     requests = []
     for path in inputs:
         source, base, _ = _open_inputs(str(path))
@@ -241,8 +271,9 @@ def compare(
             req.dataset = req.dataset or path.stem
             requests.append(req)
     adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
+    settings = _settings(adapter, decoding)
     try:
-        sessions = {label: comparison.make_session(adapter, label, batch) for label in labels}
+        sessions = {label: comparison.make_session(adapter, label, batch, settings) for label in labels}
     except ValueError as exc:
         fail(str(exc))
     with _progress(len(requests)) as progress:
@@ -257,7 +288,8 @@ def compare(
     summary = comparison.summarize(rows, baseline)
     report.table(summary, baseline, err)
     header = (f"model `{model}`, {len(requests)} inputs, batch {batch}, max {max_new_tokens} new tokens, "
-              f"device {adapter.device}, dtype {str(adapter.model.dtype).removeprefix('torch.')}")
+              f"device {adapter.device}, dtype {str(adapter.model.dtype).removeprefix('torch.')}, "
+              f"{sampling.sentence(settings)}")
     if json_out is not None:
         json_out.write_bytes(orjson.dumps({"setup": header, "baseline": baseline, "summary": summary,
                                            "rows": comparison.rows_as_dicts(rows)},
@@ -267,7 +299,10 @@ def compare(
         (report_dir / "report.md").write_text(report.markdown(summary, baseline, header) + "\n")
         report.plot(summary, report_dir / "speedups.png")
         info(f"report written to {report_dir}")
-    mismatched = any(s["mismatches"] for ms in summary.values() for s in ms.values())
+    # Sampled tokens of hf come from torch's generator, not recap's draws: their mismatches are shown, not failures.
+    exempt = comparison.HF_METHODS if settings.sampling else ()
+    mismatched = any(s["mismatches"] for ms in summary.values() for label, s in ms.items()
+                     if comparison.parse_method(label)[0] not in exempt)
     raise typer.Exit(EXIT_FAILED_RECORDS if mismatched else EXIT_OK)
 
 
@@ -314,18 +349,42 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
     raise typer.Exit(EXIT_FAILED_RECORDS if outcome.totals.errors else EXIT_OK)
 
 
-def _session(adapter, method: str, knobs: dict, compiled: bool, batch: int = 1) -> Session:
+def _decoding_asked(mode: str, **given) -> dict:
+    """The decoding settings asked for on the command line, checked before the model loads, with the run's seed
+    (drawn when not given: one for the whole run, every worker included)."""
+    try:
+        if mode not in sampling.MODES:
+            raise ValueError(f"--generation-config takes {' or '.join(sampling.MODES)}, not '{mode}'")
+        sampling.check(given, name="--{}")
+    except ValueError as exc:
+        fail(str(exc))
+    return {"mode": mode, **given, "seed": secrets.randbits(32) if given["seed"] is None else given["seed"]}
+
+
+def _settings(adapter, decoding: dict) -> sampling.Settings:
+    """The run's settings from the model's generation config and the command line: a setting recap cannot honour
+    exactly stops the run here, before any request is decoded."""
+    try:
+        settings = sampling.resolve(getattr(adapter.model, "generation_config", None), **decoding)
+    except ValueError as exc:
+        fail(str(exc))
+    info(f"decoding: {sampling.sentence(settings)}")
+    return settings
+
+
+def _session(adapter, method: str, knobs: dict, compiled: bool, batch: int = 1,
+             settings: sampling.Settings = sampling.GREEDY) -> Session:
     """The run's session; with ``compiled``, every step shape is compiled up front, and a failure to compile
     falls back to eager decoding (the fast path must never cost a user the run)."""
     if not compiled:
-        return Session(adapter, method, batch=batch, **knobs)
+        return Session(adapter, method, batch=batch, sampling=settings, **knobs)
     try:
-        session = Session(adapter, method, static=True, compile=True, batch=batch, **knobs)
+        session = Session(adapter, method, static=True, compile=True, batch=batch, sampling=settings, **knobs)
         seconds = session.warm_up([records.as_parts(records.user_message("Hello.", False))], [])
     except Exception as exc:  # noqa: BLE001 - see the docstring
         err.print(f"[yellow]warning:[/] compiling the decoding steps failed ({type(exc).__name__}: "
                   f"{records.first_line(exc)}); decoding eagerly")
-        return Session(adapter, method, batch=batch, **knobs)
+        return Session(adapter, method, batch=batch, sampling=settings, **knobs)
     info(f"compiled the decoding steps in {seconds:.1f} s (once per run)")
     return session
 
