@@ -288,9 +288,9 @@ class Batch:
 
     def add(self, turns: list[tuple]) -> list[Outcome]:
         """Prefill these turns, (tag, prompt, max new tokens[, picker]), together and let them join (at most the
-        free rows). Turns whose first token
-        already ends them leave at once, and are returned; so are turns that failed. If the joint prefill
-        fails (one huge input out of memory), each is tried alone, so only the culprit fails."""
+        free rows). Turns whose first token already ends them leave at once, and are returned; so are turns that
+        failed. If the joint prefill fails (one huge input out of memory), each is tried alone, so only the
+        culprit fails."""
         if len(turns) > self.size - len(self.flights):
             raise ValueError(f"{len(turns)} turns cannot join: {self.size - len(self.flights)} rows are free")
         if not turns:

@@ -200,7 +200,7 @@ def gather_row(cache, slot: int, columns: torch.Tensor) -> None:
 
 def generation_defaults() -> dict:
     """transformers' global generation defaults, what an unset generation config field means (top_k 50, ...):
-    5.x keeps them apart (fields default to None), older versions set them in ``GenerationConfig()`` itself."""
+    newer versions keep them apart (fields default to None), older ones set them in ``GenerationConfig()``."""
     from transformers import GenerationConfig
 
     known = getattr(GenerationConfig, "_get_default_generation_params", None)

@@ -25,7 +25,9 @@ cumulative sum the softmax already costs. With a top-k filter (transformers' def
 the k candidates only (ties at the k-th value kept, as ``TopKLogitsWarper`` keeps them), never the vocabulary.
 
 Greedy settings (no sampling, or top_k 1, which leaves one token) pick the processed argmax, as ``generate()``
-does. With nothing set there is no processing at all: callers pass no ``Picker`` and decoding is today's.
+does (top_k 1 keeps every token tied at the top and samples among them; recap takes the lowest id). Scores are
+processed in float32, as ``generate()`` processes them; the cumulative sum runs in float64. With nothing set there
+is no processing at all: callers pass no ``Picker`` and plain greedy decoding runs as it always did.
 """
 
 from __future__ import annotations
