@@ -15,12 +15,14 @@ What is proved, on tiny float64 models (batched sums cannot flip a token there):
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import orjson
 import pytest
 import torch
 from transformers import GenerationConfig
+from transformers.generation import logits_process as lp
 
 from recap_cli.batch import answer_all
 from recap_cli.decoding import compat, sampling
@@ -234,11 +236,13 @@ def processed_probs(model, settings: Settings, history: torch.Tensor, logits: to
 
 
 @pytest.mark.parametrize("settings", [SAMPLED, replace(SAMPLED, repetition_penalty=1.3),
+                                      Settings(do_sample=True, temperature=1.3, top_k=0, top_p=0.8, seed=0),
                                       Settings(do_sample=True, temperature=1.3, top_k=0, min_p=0.01, typical_p=0.95,
                                                epsilon_cutoff=1e-3, eta_cutoff=1e-3, seed=0)])
 def test_first_token_frequencies_match_the_processed_distribution(get_adapter, settings):
-    """2000 seeds: the first token's frequencies against transformers' processed softmax (deterministic). The
-    last settings draw over the whole vocabulary (no top-k), through every other warper recap honours."""
+    """2000 seeds: the first token's frequencies against transformers' processed softmax (deterministic). Top-k
+    candidates, the top-p nucleus without top-k, and the whole vocabulary through every other warper recap
+    honours."""
     adapter = get_adapter("text")
     prompt = adapter.build(*request("text", QUESTIONS[0]))
     logits = adapter.model(input_ids=prompt.input_ids).logits[0, -1:].detach()
@@ -328,6 +332,30 @@ def test_settings_resolve_as_transformers_does():
         assert sampling.resolve(GenerationConfig(**{field: value}), "greedy").plain  # not the checkpoint's
     with pytest.raises(ValueError, match="top_p"):
         sampling.resolve(None, "model", top_p=1.5)
+
+
+def test_candidates_keep_what_transformers_warpers_keep():
+    """Top-k over the candidates keeps exactly TopKLogitsWarper's tokens, ties at the k-th score included (logits
+    rounded to bf16 tie often), and the nucleus TopPLogitsWarper's up to float32 rounding at the boundary."""
+    torch.manual_seed(0)
+    tied = (torch.randn(64, 5000) * 2).bfloat16().float()
+    for k_top in (1, 20, 50):
+        values, ids = sampling.top_k(tied, k_top, 8)
+        want = lp.TopKLogitsWarper(k_top)(None, tied)
+        assert (torch.isfinite(want).sum(-1) > k_top).any() or k_top == 1  # ties at the k-th did occur
+        kept = torch.full_like(tied, -math.inf).scatter(-1, ids, values)
+        assert torch.equal(kept, want)
+    scores = torch.randn(64, 5000) * 3
+    ranked = scores.double().softmax(-1).sort(-1, descending=True)
+    above = torch.empty_like(scores, dtype=torch.float64).scatter(-1, ranked.indices,
+                                                                   ranked.values.cumsum(-1) - ranked.values)
+    for top_p in (0.001, 0.5, 0.9, 0.99):
+        values, ids = sampling.nucleus(scores, top_p, 8)
+        kept = torch.full_like(scores, -math.inf).scatter(-1, ids, values)
+        differ = torch.isfinite(kept) != torch.isfinite(lp.TopPLogitsWarper(top_p)(None, scores))
+        # transformers sums float32 from the least likely token up: only a token whose probability above it is
+        # within that rounding of top_p may be judged otherwise
+        assert ((above[differ] - top_p).abs() < 1e-5).all() and differ.sum() <= 3, top_p
 
 
 def test_uniforms_depend_on_seed_request_turn_and_position_only():

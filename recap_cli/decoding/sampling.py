@@ -22,7 +22,8 @@ everything before t, each token is drawn exactly from the model's processed dist
 Inverse CDF rather than Gumbel-max: Gumbel-max needs one noise value per vocabulary entry per position (1.5e5
 hashes per node for Qwen), the inverse CDF one uniform per position, shared by every node at that depth, plus a
 cumulative sum the softmax already costs. With a top-k filter (transformers' default k is 50) the draw runs over
-the k candidates only (ties at the k-th value kept, as ``TopKLogitsWarper`` keeps them), never the vocabulary.
+the k candidates only (ties at the k-th value kept, as ``TopKLogitsWarper`` keeps them), and with top-p alone over
+the nucleus (``nucleus``: the same rule as ``TopPLogitsWarper``, without sorting the vocabulary).
 
 Greedy settings (no sampling, or top_k 1, which leaves one token) pick the processed argmax, as ``generate()``
 does (top_k 1 keeps every token tied at the top and samples among them; recap takes the lowest id). Scores are
@@ -356,15 +357,15 @@ def _process(logits: torch.Tensor, trees: list[Tree], pickers: list[Picker], set
         scores = penalty(histories(trees, pickers), scores)
     if not settings.sampling:
         return _pack(scores, scores.argmax(-1), None, k)
-    ids = None
-    if settings.top_k:  # candidates only: those at or above the k-th score (ties kept, as TopKLogitsWarper does)
-        top_k = min(settings.top_k, scores.shape[-1])
-        kth = scores.topk(top_k, dim=-1).values[:, -1:]
-        width = min(scores.shape[-1], max(k, int((scores >= kth).sum(-1).max())))
-        scores, ids = scores.topk(width, dim=-1)
-        scores = scores.masked_fill(scores < kth, -math.inf)
-        ids, order = ids.sort(-1)  # token-id order: the draw must not depend on how topk orders ties
-        scores = scores.gather(-1, order)
+    if settings.temperature != 1.0:
+        scores = lp.TemperatureLogitsWarper(settings.temperature)(None, scores)
+    ids = None  # the vocabulary, or (top-k, top-p) the candidates' token ids, in id order
+    if settings.top_k:
+        scores, ids = top_k(scores, settings.top_k, k)
+        if settings.top_p < 1.0:
+            scores = lp.TopPLogitsWarper(settings.top_p)(None, scores)
+    elif settings.top_p < 1.0:
+        scores, ids = nucleus(scores, settings.top_p, k)
     for warper in warpers(settings, scores.device):
         scores = warper(None, scores)
     u = torch.tensor([x for tree, p in zip(trees, pickers) for x in p.uniforms(tree.depths())],
@@ -382,13 +383,49 @@ def draw(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, x, right=True)[:, 0]
 
 
+def top_k(scores: torch.Tensor, k_top: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TopKLogitsWarper over the candidates alone: the scores at or above the k-th (ties kept, as it keeps them),
+    at least ``k`` columns (the rest -inf), in token-id order, and their ids."""
+    k_top = min(k_top, scores.shape[-1])
+    values, ids = scores.topk(min(scores.shape[-1], max(k, k_top)), dim=-1)
+    kth = values[:, k_top - 1:k_top]
+    tied = int((scores >= kth).sum(-1).max())  # more than k_top where scores tie at the k-th
+    if tied > values.shape[-1]:
+        values, ids = scores.topk(tied, dim=-1)
+    return _in_id_order(values, ids, kth)
+
+
+def nucleus(scores: torch.Tensor, top_p: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TopPLogitsWarper without sorting the vocabulary: a token is kept iff the probability of the tokens ranked
+    above it is below ``top_p`` (transformers removes a token iff the ascending cumulative probability up to it is
+    at most 1 - top_p: the same rule, summed here in float64 from the top where transformers sums float32 from the
+    bottom, so a token within that rounding of the boundary may be judged otherwise). Candidates grow from the top
+    until they hold ``top_p`` in every row, so every kept token is among them."""
+    lse = scores.logsumexp(-1, keepdim=True)
+    width = min(scores.shape[-1], max(k, 64))
+    while True:
+        values, ids = scores.topk(width, dim=-1)
+        probs = (values - lse).double().exp()
+        if width == scores.shape[-1] or bool((probs.sum(-1) >= top_p).all()):
+            break
+        width = min(scores.shape[-1], 4 * width)
+    above = probs.cumsum(-1) - probs
+    above[:, 0] = 0.0  # the best token always stays (min_tokens_to_keep 1)
+    return _in_id_order(values.masked_fill(above >= top_p, -math.inf), ids, None)
+
+
+def _in_id_order(values: torch.Tensor, ids: torch.Tensor, floor: torch.Tensor | None):
+    """Candidates sorted by token id (the draw must not depend on how topk orders ties), those below ``floor``
+    -inf."""
+    if floor is not None:
+        values = values.masked_fill(values < floor, -math.inf)
+    ids, order = ids.sort(-1)
+    return values.gather(-1, order), ids
+
+
 def warpers(settings: Settings, device: torch.device) -> list:
-    """transformers' history-free warpers in generate()'s order, top-k excepted (candidates are chosen before)."""
+    """transformers' warpers after top-p, in generate()'s order (history-free: they act on the candidates)."""
     out: list = []
-    if settings.temperature != 1.0:
-        out.append(lp.TemperatureLogitsWarper(settings.temperature))
-    if settings.top_p < 1.0:
-        out.append(lp.TopPLogitsWarper(settings.top_p))
     if settings.min_p is not None:
         out.append(lp.MinPLogitsWarper(settings.min_p))
     if settings.typical_p < 1.0:
