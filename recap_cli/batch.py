@@ -10,6 +10,7 @@ from PIL import Image
 
 from .adapters import Adapter, Message, Prompt
 from .decoding.engine import Generation
+from .decoding.sampling import GREEDY, Picker, Settings, request_key
 from .records import Request, as_parts, first_line, load_image, user_message
 from .session import GenerateSession, Session
 from .decoding.tree import Source
@@ -73,11 +74,13 @@ def answer_with_tokens(session: Session | GenerateSession, req: Request, model: 
     """The record and each turn's token ids (empty on error), for callers that check exactness."""
     if req.error is not None:
         return error_record(req, session.method, model, req.error), []
-    turns = _turns(session.adapter, req, session.method, model, req.max_new_tokens or max_new_tokens)
+    turns = _turns(session.adapter, req, session.method, model, req.max_new_tokens or max_new_tokens,
+                   getattr(session, "sampling", GREEDY))
     try:
         ask = next(turns)
         while True:
-            ask = turns.send(session.answer(*ask))
+            messages, images, limit, picker = ask
+            ask = turns.send(session.answer(messages, images, limit, **({"picker": picker} if picker else {})))
     except StopIteration as done:
         return done.value
     except (ValueError, RuntimeError) as exc:  # bad image, image given to a text model, out of memory, ...
@@ -91,14 +94,17 @@ def failure(exc: BaseException) -> str:
 
 
 REFILL_SHARE = 4  # free rows are refilled once a quarter of the batch is free (see InFlight.run)
-Ask = tuple[list[Message], list[Image.Image], int]  # one turn to decode: messages, images, max new tokens
+# One turn to decode: messages, images, max new tokens, and its token-choice rule (None: plain greedy).
+Ask = tuple[list[Message], list[Image.Image], int, "Picker | None"]
 Answered = tuple[dict, list[list[int]]]  # a request's record and each turn's token ids
 
 
-def _turns(adapter: Adapter, req: Request, method: str, model: str,
-           max_new_tokens: int) -> Generator[Ask, Generation, Answered]:
+def _turns(adapter: Adapter, req: Request, method: str, model: str, max_new_tokens: int,
+           sampling: Settings = GREEDY) -> Generator[Ask, Generation, Answered]:
     """A request as a conversation: yields each turn to decode and receives its generation, so one request's
-    logic serves a batch-1 loop and a batch of requests in flight alike; returns the record."""
+    logic serves a batch-1 loop and a batch of requests in flight alike; returns the record. The request's own
+    settings go over the run's (``sampling``); each turn's draws hang on the request's line and id."""
+    settings = sampling.override(**req.settings)
     images = [load_image(req.image, root=req.root)] if req.image is not None else []
     conversation = list(req.history)
     # The image belongs to the first user turn: a given one, else the first turn to answer.
@@ -107,16 +113,17 @@ def _turns(adapter: Adapter, req: Request, method: str, model: str,
         conversation[first_user] = user_message(conversation[first_user]["content"], True)
     image_pending = bool(images) and first_user is None
     answers, gens = [], []
-    for turn in req.turns:
+    for i, turn in enumerate(req.turns):
         conversation.append(user_message(turn, image_pending))
         image_pending = False
         messages = [as_parts(m) for m in conversation] if adapter.supports_images else conversation
-        gen = yield messages, images, max_new_tokens
+        picker = None if settings.plain else Picker(settings, request_key(req.line, req.id), i)
+        gen = yield messages, images, max_new_tokens, picker
         text = adapter.decode(gen.tokens)
         answers.append(text)
         gens.append(gen)
         conversation.append({"role": "assistant", "content": text})
-    record = result_record(req, method, model, answers[-1], gens)
+    record = result_record(req, method, model, answers[-1], gens, settings)
     if len(req.turns) > 1:
         record["answers"] = answers
     return record, [g.tokens for g in gens]
@@ -179,7 +186,8 @@ class InFlight:
             self.done[seq] = error_record(req, self.session.method, self.model, req.error), []
             return
         limit = req.max_new_tokens or self.max_new_tokens
-        self.turns[seq] = req, _turns(self.session.adapter, req, self.session.method, self.model, limit)
+        self.turns[seq] = req, _turns(self.session.adapter, req, self.session.method, self.model, limit,
+                                      self.session.sampling)
         self._resume(seq, None)
 
     def _resume(self, seq: int, result: Generation | Exception | None) -> None:
@@ -188,8 +196,8 @@ class InFlight:
         try:
             if isinstance(result, Exception):
                 raise result
-            ask = next(turns) if result is None else turns.send(result)
-            self.asking.append((seq, *self.session.prepare(*ask)))
+            messages, images, limit, picker = next(turns) if result is None else turns.send(result)
+            self.asking.append((seq, *self.session.prepare(messages, images, limit), picker))
             return
         except StopIteration as stop:
             self.done[seq] = stop.value
@@ -203,7 +211,8 @@ class InFlight:
             self.next_out += 1
 
 
-def result_record(req: Request, method: str, model: str, answer: str, gens: list[Generation]) -> dict:
+def result_record(req: Request, method: str, model: str, answer: str, gens: list[Generation],
+                  settings: Settings = GREEDY) -> dict:
     tokens = sum(len(g.tokens) for g in gens)
     prefill = sum(g.prefill_s for g in gens)
     decode = sum(g.decode_s for g in gens)
@@ -221,6 +230,7 @@ def result_record(req: Request, method: str, model: str, answer: str, gens: list
         "accepted_hist": {int(k): v for k, v in sorted(hist.items())},
         "tokens_by_source": {SOURCE_KEYS[k]: v for k, v in sources.items() if k in SOURCE_KEYS},
         "draft_ms": round(1000 * sum(g.draft_s for g in gens), 3),
+        "decoding": settings.describe(),  # how its tokens were chosen (and the seed of sampled ones)
         "error": None,
     }
     if req.dataset is not None:

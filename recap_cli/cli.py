@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import secrets
 import signal
 import sys
 import time
@@ -19,13 +20,15 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import records, report, safety
-from .options import DEFAULT_BATCH, METHODS, default_batch
+from .options import DEFAULT_BATCH, GENERATION_CONFIGS, METHODS, check_settings, default_batch
 from .registry import FAMILIES, on_disk
 
 # torch and transformers take seconds to import: the modules that need them (models, session, batch, compare) are
 # imported where a command first needs them, so --help, `recap models` and usage errors answer at once.
 if TYPE_CHECKING:
     from .batch import Totals
+    from .compare import Measurement
+    from .decoding.sampling import Settings
     from .session import Session
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -142,6 +145,17 @@ def run(
     workers: int = typer.Option(1, min=1, help="--ray: sessions answering in parallel, one model each"),
     gpus_per_worker: float = typer.Option(0.0, min=0, help="--ray: GPUs each worker reserves"),
     cpus_per_worker: float = typer.Option(1.0, min=0, help="--ray: CPUs each worker reserves"),
+    temperature: Optional[float] = typer.Option(None, help="sample at this temperature (0: greedy) [default: the "
+                                                "model's generation config, else greedy]"),
+    top_p: Optional[float] = typer.Option(None, help="sample from the smallest set of tokens holding this much "
+                                          "probability"),
+    top_k: Optional[int] = typer.Option(None, help="sample from the k most likely tokens (0: all; 1: greedy)"),
+    repetition_penalty: Optional[float] = typer.Option(None, help="divide the scores of tokens already in the "
+                                                       "prompt or answer by this (1: off)"),
+    seed: Optional[int] = typer.Option(None, help="seed of the sampled tokens: the same seed gives the same tokens "
+                                       "with every method and batch size [default: drawn, written to the records]"),
+    generation_config: str = typer.Option("model", help="model: start from the model's generation config, as "
+                                          "model.generate() does; greedy: from plain greedy decoding"),
 ) -> None:
     """Answer every request of INPUTS, one JSON line out per line in, in order."""
     _set_output(quiet)
@@ -161,9 +175,11 @@ def run(
     if compile not in ("auto", "on", "off"):
         fail("--compile takes auto, on or off")
     saved = _memory_file(memory, method, memory_cold_on_error)  # a damaged file stops the run before the model loads
+    decoding = _decoding_asked(generation_config, temperature=temperature, top_p=top_p, top_k=top_k,
+                               repetition_penalty=repetition_penalty, seed=seed)
     if ray is not None:
         job = dict(model=model, method=method, knobs=knobs, compile=compile, device=device, dtype=dtype, attn=attn,
-                   max_new_tokens=max_new_tokens, base=base, batch=batch)
+                   max_new_tokens=max_new_tokens, base=base, batch=batch, decoding=decoding)
         _run_on_ray(source, job, dict(address=ray, workers=workers, gpus_per_worker=gpus_per_worker,
                                       cpus_per_worker=cpus_per_worker), output, resume, memory, summary, total)
     adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
@@ -172,9 +188,10 @@ def run(
     from .session import MemoryFileError
 
     batch = batch or default_batch(adapter.device.type)
+    settings = _settings(adapter, decoding)
     try:
         session = _session(adapter, method, knobs, compile == "on" or (compile == "auto" and batch == 1 and
-                                                                    adapter.device.type == "cuda"), batch)
+                                                                    adapter.device.type == "cuda"), batch, settings)
     except (ModelError, ValueError) as exc:
         fail(str(exc))
     if saved is not None:
@@ -224,8 +241,8 @@ def run(
         if memory is not None and session.save_memory(memory):
             info(f"memory saved to {memory}")
         stop = stop or _stopped_by(held)
-        _report(totals, summary, stop, run_figures(totals, time.perf_counter() - t0, session.batch,
-                                                   session.occupancy))
+        figures = run_figures(totals, time.perf_counter() - t0, session.batch, session.occupancy)
+        _report(totals, summary, stop, {**figures, "decoding": {**settings.describe(), "seed": settings.seed}})
     stop = stop or _stopped_by(held)
     if stop is not None:
         raise typer.Exit(stop)
@@ -294,6 +311,17 @@ def compare(
                                "tables and errors still print)"),
     allow_failures: bool = typer.Option(False, help="exit 0 even when a method failed on inputs another answered "
                                         "(the failures are still named on stderr)"),
+    temperature: Optional[float] = typer.Option(None, help="sample at this temperature (0: greedy) [default: the "
+                                                "model's generation config, else greedy]"),
+    top_p: Optional[float] = typer.Option(None, help="sample from the smallest set of tokens holding this much "
+                                          "probability"),
+    top_k: Optional[int] = typer.Option(None, help="sample from the k most likely tokens (0: all; 1: greedy)"),
+    repetition_penalty: Optional[float] = typer.Option(None, help="divide the scores of tokens already in the "
+                                                       "prompt or answer by this (1: off)"),
+    seed: Optional[int] = typer.Option(None, help="seed of the sampled tokens: the same seed gives the same tokens "
+                                       "with every method and batch size [default: drawn, written to the records]"),
+    generation_config: str = typer.Option("model", help="model: start from the model's generation config, as "
+                                          "model.generate() does; greedy: from plain greedy decoding"),
 ) -> None:
     """Run every method on the same inputs, interleaved, and report speedups over the baseline.
 
@@ -301,6 +329,7 @@ def compare(
     tokens differ from the baseline's, or when a method failed on an input another method answered."""
     _set_output(quiet)
     from . import compare as comparison
+    from .decoding import sampling
 
     labels = list(dict.fromkeys([baseline] + [m.strip() for m in methods.split(",") if m.strip()]))
     try:
@@ -308,6 +337,8 @@ def compare(
             comparison.parse_method(label)
     except ValueError as exc:
         fail(str(exc))
+    decoding = _decoding_asked(generation_config, temperature=temperature, top_p=top_p, top_k=top_k,
+                               repetition_penalty=repetition_penalty, seed=seed)
     requests = []
     for path in inputs:
         source, base, _ = _open_inputs(str(path))
@@ -315,8 +346,9 @@ def compare(
             req.dataset = req.dataset or path.stem
             requests.append(req)
     adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
+    settings = _settings(adapter, decoding)
     try:
-        sessions = {label: comparison.make_session(adapter, label, batch) for label in labels}
+        sessions = {label: comparison.make_session(adapter, label, batch, settings) for label in labels}
     except ValueError as exc:
         fail(str(exc))
     with _progress(len(requests)) as progress:
@@ -331,7 +363,8 @@ def compare(
     summary = comparison.summarize(rows, baseline)
     report.table(summary, baseline, err)
     header = (f"model `{model}`, {len(requests)} inputs, batch {batch}, max {max_new_tokens} new tokens, "
-              f"device {adapter.device}, dtype {str(adapter.model.dtype).removeprefix('torch.')}")
+              f"device {adapter.device}, dtype {str(adapter.model.dtype).removeprefix('torch.')}, "
+              f"{sampling.sentence(settings)}")
     if json_out is not None:
         json_out.write_bytes(orjson.dumps({"setup": header, "baseline": baseline, "summary": summary,
                                            "rows": comparison.rows_as_dicts(rows)},
@@ -341,13 +374,16 @@ def compare(
         (report_dir / "report.md").write_text(report.markdown(summary, baseline, header) + "\n")
         report.plot(summary, report_dir / "speedups.png")
         info(f"report written to {report_dir}")
-    mismatched = any(s["mismatches"] for ms in summary.values() for s in ms.values())
+    # Sampled tokens of hf come from torch's generator, not recap's draws: their mismatches are shown, not failures.
+    exempt = comparison.HF_METHODS if settings.sampling else ()
+    mismatched = any(s["mismatches"] for ms in summary.values() for label, s in ms.items()
+                     if comparison.parse_method(label)[0] not in exempt)
     failed, uneven = comparison.failures(rows)
     _name_failures(failed, uneven, len(requests), allow_failures)
     raise typer.Exit(EXIT_FAILED_RECORDS if mismatched or (uneven and not allow_failures) else EXIT_OK)
 
 
-def _name_failures(failed: dict[str, list[comparison.Measurement]], uneven: dict[str, int], inputs: int,
+def _name_failures(failed: dict[str, list[Measurement]], uneven: dict[str, int], inputs: int,
                    allowed: bool, shown: int = 10) -> None:
     """Each method's failed inputs on stderr (its file and line, its id, the error's first line): they are left
     out of the statistics, so nobody should read the table without knowing. A method that failed where another
@@ -414,11 +450,37 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
     raise typer.Exit(EXIT_FAILED_RECORDS if outcome.totals.errors else EXIT_OK)
 
 
-def _session(adapter, method: str, knobs: dict, compiled: bool, batch: int = 1) -> Session:
+def _decoding_asked(mode: str, **given) -> dict:
+    """The decoding settings asked for on the command line, checked before the model loads, with the run's seed
+    (drawn when not given: one for the whole run, every worker included)."""
+    try:
+        if mode not in GENERATION_CONFIGS:
+            raise ValueError(f"--generation-config takes {' or '.join(GENERATION_CONFIGS)}, not '{mode}'")
+        check_settings(given, name="--{}")
+    except ValueError as exc:
+        fail(str(exc))
+    return {"mode": mode, **given, "seed": secrets.randbits(32) if given["seed"] is None else given["seed"]}
+
+
+def _settings(adapter, decoding: dict) -> Settings:
+    """The run's settings from the model's generation config and the command line: a setting recap cannot honour
+    exactly stops the run here, before any request is decoded."""
+    from .decoding import sampling
+
+    try:
+        settings = sampling.resolve(getattr(adapter.model, "generation_config", None), **decoding)
+    except ValueError as exc:
+        fail(str(exc))
+    info(f"decoding: {sampling.sentence(settings)}")
+    return settings
+
+
+def _session(adapter, method: str, knobs: dict, compiled: bool, batch: int = 1,
+             settings: Settings | None = None) -> Session:
     """The run's session (compiled when asked, eager if compiling fails); its warnings and info lines go to stderr."""
     from .session import start_session
 
-    return start_session(adapter, method, knobs, compiled, batch, warn=_warn, info=info)
+    return start_session(adapter, method, knobs, compiled, batch, settings, warn=_warn, info=info)
 
 
 def _warn(message: str) -> None:

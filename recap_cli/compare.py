@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 from .adapters import Adapter
 from .batch import answer_all, answer_with_tokens
+from .decoding.sampling import GREEDY, Settings
 from .drafters import METHODS
 from .records import Request
 from .session import GenerateSession, Session
@@ -100,13 +101,16 @@ def parse_budget(method: str, value: str) -> int | str:
     return int(value)
 
 
-def make_session(adapter: Adapter, spec: str, batch: int = 1) -> Session | GenerateSession:
+def make_session(adapter: Adapter, spec: str, batch: int = 1,
+                 sampling: Settings = GREEDY) -> Session | GenerateSession:
+    """One method's session. Every method takes the same ``sampling`` settings (and seed): recap's methods then
+    give the baseline's tokens; hf's sampled tokens come from torch's generator, so its match rate is low."""
     name, knobs = parse_method(spec)
     if name in HF_METHODS:
         if batch > 1:
             raise ValueError(f"{name} runs transformers' generate() one request at a time: compare it at --batch 1")
-        return GenerateSession(adapter, name)
-    return Session(adapter, name, batch=batch, **knobs)
+        return GenerateSession(adapter, name, sampling=sampling)
+    return Session(adapter, name, batch=batch, sampling=sampling, **knobs)
 
 
 def group(requests: Iterable[Request]) -> dict[str, list[Request]]:

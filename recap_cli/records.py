@@ -17,10 +17,13 @@ from typing import IO, TYPE_CHECKING, Any
 import orjson
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from .options import check_settings
+
 if TYPE_CHECKING:  # a type only: importing adapters would load torch, which `recap --help` must not wait for
     from .adapters import Message
 
 CAPTION_PROMPT = "Describe this image in detail."
+SETTINGS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed")  # a record's own decoding settings
 MAX_IMAGE_PIXELS = 40_000_000
 
 
@@ -36,6 +39,7 @@ class Request:
     history: list[Message] = field(default_factory=list)
     max_new_tokens: int | None = None
     dataset: str | None = None
+    settings: dict[str, Any] = field(default_factory=dict)  # its own temperature, top_p, ... over the run's
     error: str | None = None
 
 
@@ -93,6 +97,8 @@ def _fill(req: Request, rec: dict, base: Path) -> None:
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise ValueError("'max_new_tokens' must be a positive integer")
     req.max_new_tokens = limit
+    req.settings = {key: rec[key] for key in SETTINGS if rec.get(key) is not None}
+    check_settings(req.settings, name="'{}'")
     if "messages" in rec:
         req.history, req.turns = _conversation(rec["messages"])
         return

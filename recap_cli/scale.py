@@ -32,6 +32,7 @@ from ray.exceptions import RayError
 from . import records
 from .batch import Totals, answer, answer_all, error_record
 from .decoding.batched import DEFAULT_BATCH, default_batch
+from .decoding.sampling import GREEDY, resolve
 from .drafters.stream import merge_states as merge_stream_states
 
 FAULT_ENV = "RECAP_FAULT_KILL_AFTER"  # test knob: one worker exits hard once after this many records
@@ -58,6 +59,7 @@ class Job:
     base: Path  # relative image paths resolve here: the same path on every node (a shared file system)
     batch: int | None = None  # requests in flight per worker; None: by the worker's device
     fault_after: int = 0
+    decoding: dict | None = None  # the command line's decoding settings (mode, options, the run's seed)
 
 
 @dataclass
@@ -239,7 +241,9 @@ class Worker:
             adapter = load(job.model, device=job.device, dtype=job.dtype, attn=job.attn)
             batch = job.batch or default_batch(adapter.device.type)
             compiled = job.compile == "on" or (job.compile == "auto" and batch == 1 and adapter.device.type == "cuda")
-            self.session = start_session(adapter, job.method, job.knobs, compiled, batch, warn=_say, info=_say)
+            settings = resolve(adapter.model.generation_config, **job.decoding) if job.decoding else GREEDY
+            self.session = start_session(adapter, job.method, job.knobs, compiled, batch, settings, warn=_say,
+                                         info=_say)
         except (ModelError, ValueError) as exc:
             raise WorkerSetupError(str(exc)) from None
         # A restarted worker picks up the memory its last life sent; a new one starts from --memory's.

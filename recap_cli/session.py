@@ -19,6 +19,7 @@ from .decoding.batched import Batch, BatchEngine
 from .decoding.batched_static import StaticBatchEngine
 from .drafters import Drafter, make_drafter
 from .decoding.engine import Engine, Generation, generate
+from .decoding.sampling import GREEDY, Picker, Settings
 from .records import as_parts, first_line, user_message
 
 MEMORY_FORMAT, MEMORY_VERSION = "recap-memory", 3  # 3: RECAP keeps the stream memory
@@ -30,15 +31,19 @@ class MemoryFileError(ValueError):
 
 
 class Session:
-    """Loaded once per ``recap run``; per-request memories reset inside the drafter, order 1 carries over."""
+    """Loaded once per ``recap run``; per-request memories reset inside the drafter, order 1 carries over.
+
+    ``sampling`` is how the run picks tokens (decoding/sampling.py; records may override it); plain greedy by
+    default. A sampling run without a seed draws one here, so every record can say which it used."""
 
     def __init__(self, adapter: Adapter, method: str = "recap", static: bool = False, compile: bool = False,
-                 batch: int = 1, **knobs):
+                 batch: int = 1, sampling: Settings = GREEDY, **knobs):
         if batch < 1:
             raise ValueError("batch is at least 1")
         self.adapter = adapter
         self.method = method
         self.batch = batch
+        self.sampling = sampling.seeded()
         banned = [adapter.image_token_id] if adapter.image_token_id is not None else []
         self.drafter = make_drafter(method, adapter.vocab_size, banned=banned, **knobs)
         top_k = getattr(self.drafter, "top_k", 8)
@@ -57,9 +62,11 @@ class Session:
             return self.batch_engine.measure_costs(prompt)
         return self.engine.warm_up(prompt)
 
-    def answer(self, messages: list[Message], images: list[Image.Image], max_new_tokens: int) -> Generation:
+    def answer(self, messages: list[Message], images: list[Image.Image], max_new_tokens: int,
+               picker: Picker | None = None) -> Generation:
+        """One turn; ``picker`` is its token-choice rule (None: plain greedy)."""
         prompt, limit = self.prepare(messages, images, max_new_tokens)
-        return generate(self.engine, prompt, self.drafter, limit)
+        return generate(self.engine, prompt, self.drafter, limit, picker)
 
     def prepare(self, messages: list[Message], images: list[Image.Image], max_new_tokens: int) -> tuple[Prompt, int]:
         """The prompt of one turn and the new tokens it may have."""
@@ -151,10 +158,13 @@ def keeps_memory(method: str) -> bool:
 
 
 def start_session(adapter: Adapter, method: str, knobs: dict, compiled: bool, batch: int = 1,
-                  warn: Callable[[str], None] = log.warning, info: Callable[[str], None] = log.info) -> Session:
+                  settings: Settings | None = None, warn: Callable[[str], None] = log.warning,
+                  info: Callable[[str], None] = log.info) -> Session:
     """The session of a run (the command line's and every Ray worker's); with ``compiled``, every step shape is
     compiled up front, and a failure to compile falls back to eager decoding (the fast path must never cost a
-    user the run). ``warn`` and ``info`` hear what people should know about it."""
+    user the run). ``settings``: how tokens are picked (plain greedy when None). ``warn`` and ``info`` hear what
+    people should know about it."""
+    knobs = {**knobs, "sampling": settings or GREEDY}
     if not compiled:
         return Session(adapter, method, batch=batch, **knobs)
     try:
@@ -195,20 +205,27 @@ def _remove_stale_temps(path: Path) -> None:
 
 
 class GenerateSession:
-    """transformers' own ``generate(do_sample=False)``: what a user would run instead (``hf``), optionally with
-    its prompt lookup (``hf-pld``). Same interface as ``Session`` so the same request code drives both."""
+    """transformers' own ``generate()``: what a user would run instead (``hf``), optionally with its prompt lookup
+    (``hf-pld``). Same interface as ``Session`` so the same request code drives both. It takes the same settings;
+    greedy ones (a penalty included) give recap's tokens, sampled ones draw from torch's generator (seeded from the
+    same key, so reproducible), not recap's: the same distribution, other tokens."""
 
-    def __init__(self, adapter: Adapter, method: str = "hf"):
+    def __init__(self, adapter: Adapter, method: str = "hf", sampling: Settings = GREEDY):
         if method not in ("hf", "hf-pld"):
             raise ValueError(f"unknown generate() method '{method}'")
         self.adapter = adapter
         self.method = method
+        self.sampling = sampling.seeded()
 
-    def answer(self, messages: list[Message], images: list[Image.Image], max_new_tokens: int) -> Generation:
+    def answer(self, messages: list[Message], images: list[Image.Image], max_new_tokens: int,
+               picker: Picker | None = None) -> Generation:
         prompt = self.adapter.build(messages, images)
         max_new_tokens = fit_context(self.adapter, prompt, max_new_tokens)
-        # Pure greedy: checkpoints such as Qwen2.5-VL ship a repetition penalty in their generation config.
-        kw = dict(max_new_tokens=max_new_tokens, do_sample=False, repetition_penalty=1.0)
+        # Every setting explicit: checkpoints such as Qwen2.5-VL ship a repetition penalty in their generation
+        # config, which applies only when the run's settings say so (picker None is plain greedy).
+        kw = dict(max_new_tokens=max_new_tokens, **(picker.settings if picker else GREEDY).generate_kwargs())
+        if picker is not None and picker.settings.sampling:
+            torch.manual_seed(picker.generator_seed())
         if self.method == "hf-pld":
             kw["prompt_lookup_num_tokens"] = 10
         model = self.adapter.model

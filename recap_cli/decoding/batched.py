@@ -28,7 +28,8 @@ from ..drafters import Drafter
 from ..options import DEFAULT_BATCH, default_batch  # noqa: F401 - re-exported (they live where --help reads them)
 from . import compat
 from .cost import UNKNOWN, BatchCost, RowShare, batch_width
-from .engine import Generation, accept, commit, greedy_and_rows, text_positions
+from .engine import Generation, accept, commit, first_token, greedy_and_rows, text_positions
+from .sampling import Picker, choose
 from .tree import Rows, Source, Tree, Verified
 
 
@@ -58,14 +59,17 @@ class BatchEngine:
         return max((s.length for s in self.slots), default=0)
 
     @torch.inference_mode()
-    def join(self, prompts: list[Prompt], want_rows: bool = False) -> list[tuple[int, Rows | None]]:
+    def join(self, prompts: list[Prompt], want_rows: bool = False,
+             pickers: list[Picker | None] | None = None) -> list[tuple[int, Rows | None]]:
         """Prefill ``prompts`` together in one forward pass (right-padded), then add them as the last rows;
-        each one's first greedy token and, if asked, its top-k rows at every text position."""
-        results, cache = self._prefill(prompts, want_rows)
+        each one's first token (greedy, or its picker's choice) and, if asked, its top-k rows at every text
+        position."""
+        results, cache = self._prefill(prompts, want_rows, pickers)
         self._admit(cache, prompts)
         return results
 
-    def _prefill(self, prompts: list[Prompt], want_rows: bool) -> tuple[list[tuple[int, Rows | None]], object]:
+    def _prefill(self, prompts: list[Prompt], want_rows: bool,
+                 pickers: list[Picker | None] | None = None) -> tuple[list[tuple[int, Rows | None]], object]:
         """The joint prefill: each prompt's first token and rows, and the new rows' own cache."""
         inputs = self.adapter.batch_inputs(prompts)
         needed = [self._needed(p, want_rows) for p in prompts]  # positions whose logits each row needs
@@ -81,6 +85,10 @@ class BatchEngine:
         for prompt, positions in zip(prompts, needed):
             n = len(positions)
             first = argmax[start + n - 1]  # the last position is the prompt's last token
+            picker = pickers[len(results)] if pickers else None
+            if picker is not None:  # its own rule, the prompt its whole history
+                last = start + n - 1
+                first = first_token(out.logits[rows_of[last], cols_of[last]][None], prompt, picker, self.top_k)
             mine = None
             if want_rows:
                 mine = Rows(ids=rows.ids[start:start + n], probs=rows.probs[start:start + n], positions=positions)
@@ -116,8 +124,9 @@ class BatchEngine:
         compat.select_rows(self.cache, keep, self.width)
 
     @torch.inference_mode()
-    def verify(self, trees: list[Tree]) -> list[Verified]:
-        """Evaluate every row's tree in one forward pass; accept each row's longest greedy path; compact."""
+    def verify(self, trees: list[Tree], pickers: list[Picker | None] | None = None) -> list[Verified]:
+        """Evaluate every row's tree in one forward pass; accept each row's longest path of chosen tokens (greedy,
+        or its picker's); compact."""
         t0 = time.perf_counter()
         sizes = [len(t) for t in trees]
         ids, pos, mask = self.step_inputs(trees)
@@ -129,7 +138,10 @@ class BatchEngine:
         if batch_rows != list(range(b)) or any(n < t for n in sizes):  # padding's logits never leave the device
             logits = logits[torch.tensor([batch_rows[r] * t + i for r, n in enumerate(sizes) for i in range(n)],
                                          device=logits.device)]
-        argmax, rows = greedy_and_rows(logits, self.top_k)
+        if pickers is None or not any(pickers):
+            argmax, rows = greedy_and_rows(logits, self.top_k)
+        else:
+            argmax, rows = choose(logits, trees, pickers, self.top_k)
         verified, start = [], 0
         for tree, n in zip(trees, sizes):
             mine = argmax[start:start + n]
@@ -263,6 +275,7 @@ class Flight:
     drafted: bool = False  # its tree of this step was drafted (not a rest)
     pause: int = 1  # how long the next rest lasts
     chances: list[float] = field(default_factory=list)  # path chances its last growth placed, best first
+    picker: Picker | None = None  # its token-choice rule when not plain greedy
 
 
 MAX_REST = 32  # steps a row whose trees keep being cut to the root goes without drafting, at most
@@ -288,20 +301,21 @@ class Batch:
     def __len__(self) -> int:
         return len(self.flights)
 
-    def add(self, turns: list[tuple[Hashable, Prompt, int]]) -> list[Outcome]:
-        """Prefill these turns and let them join (at most the free rows), those of like prompt lengths together
-        (``length_groups``: one long prompt prefills alone, never padding the short ones to its length). Turns
-        whose first token already ends them leave at once, and are returned; so are turns that failed. If a
-        joint prefill fails (one huge input out of memory), each of its turns is tried alone, so only the
+    def add(self, turns: list[tuple]) -> list[Outcome]:
+        """Prefill these turns, (tag, prompt, max new tokens[, picker]), and let them join (at most the free rows),
+        those of like prompt lengths together (``length_groups``: one long prompt prefills alone, never padding the
+        short ones to its length). Turns whose first token already ends them leave at once, and are returned; so
+        are turns that failed. If a joint prefill fails (one huge input out of memory), each of its turns is
+        tried alone, so only the
         culprit fails."""
         if len(turns) > self.size - len(self.flights):
             raise ValueError(f"{len(turns)} turns cannot join: {self.size - len(self.flights)} rows are free")
         if not turns:
             return []
-        groups = length_groups([prompt.length for _, prompt, _ in turns])
+        groups = length_groups([prompt.length for _, prompt, *_ in turns])
         return [out for group in groups for out in self._add_group([turns[i] for i in group])]
 
-    def _add_group(self, turns: list[tuple[Hashable, Prompt, int]]) -> list[Outcome]:
+    def _add_group(self, turns: list[tuple]) -> list[Outcome]:
         try:
             return self._join(turns)
         except Exception as exc:  # noqa: BLE001 - see add()
@@ -309,18 +323,25 @@ class Batch:
                 return [(turns[0][0], exc)]
             return [out for turn in turns for out in self._add_group([turn])]
 
-    def _join(self, turns: list[tuple[Hashable, Prompt, int]]) -> list[Outcome]:
-        for _, _, limit in turns:
+    def _join(self, turns: list[tuple]) -> list[Outcome]:
+        for _, _, limit, *_ in turns:
             if limit < 1:
                 raise ValueError("max_new_tokens must be at least 1")
+        pickers = [picker[0] if picker else None for _, _, _, *picker in turns]
+        for (_, prompt, *_), picker in zip(turns, pickers):
+            if picker is not None:
+                picker.start(prompt.input_ids[0])
+        chosen = {"pickers": pickers} if any(pickers) else {}  # plain greedy calls stay as they always were
         drafters = [self.drafter.fork() for _ in turns]
         t0 = time.perf_counter()
-        firsts = self.engine.join([prompt for _, prompt, _ in turns], want_rows=self.drafter.wants_prefill_rows)
+        firsts = self.engine.join([prompt for _, prompt, *_ in turns], want_rows=self.drafter.wants_prefill_rows,
+                                  **chosen)
         prefill_s = (time.perf_counter() - t0) / len(turns)  # each turn's share of the joint prefill
         start = len(self.flights)
-        for (tag, prompt, limit), drafter, (first, rows) in zip(turns, drafters, firsts):
+        for (tag, prompt, limit, *_), picker, drafter, (first, rows) in zip(turns, pickers, drafters, firsts):
             gen = Generation(prefill_s=prefill_s)
-            self.flights.append(Flight(tag, drafter, prompt.input_ids[0].tolist(), limit, gen, pause=self.pause))
+            self.flights.append(Flight(tag, drafter, prompt.input_ids[0].tolist(), limit, gen, pause=self.pause,
+                                       picker=picker))
         ended, failed = [], {}
         for i, (first, rows) in zip(range(start, len(self.flights)), firsts):
             flight = self.flights[i]
@@ -332,6 +353,8 @@ class Batch:
             flight.context.append(first)
             flight.gen.tokens.append(first)
             flight.gen.by_source[Source.BONUS.name] += 1
+            if flight.picker is not None:
+                flight.picker.extend([first])
             if first in self.eos or flight.max_new_tokens <= 1:
                 ended.append(i)
         return self._leave(sorted(ended + list(failed)), failed)
@@ -348,7 +371,8 @@ class Batch:
         trees = [t for i, t in enumerate(trees) if i not in failed]
         draft_s = [d for i, d in enumerate(draft_s) if i not in failed]
         t0 = time.perf_counter()
-        verified = self.engine.verify(trees)
+        pickers = [f.picker for f in self.flights]
+        verified = self.engine.verify(trees, pickers) if any(pickers) else self.engine.verify(trees)
         verify_s = time.perf_counter() - t0
         if self.on_step is not None:
             self.on_step(len(self.flights))
@@ -367,6 +391,8 @@ class Batch:
                 flight.gen.verify_s += verify_s  # the shared forward pass is part of every row's latency
                 added, done = commit(flight.gen, tree, v, self.eos, flight.max_new_tokens)
                 flight.context.extend(added)
+                if flight.picker is not None:
+                    flight.picker.extend(added)
                 flight.last = len(added)
             except Exception as exc:  # noqa: BLE001 - one row's failure must not end the others
                 failed[i] = exc

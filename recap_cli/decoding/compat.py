@@ -196,3 +196,14 @@ def gather_row(cache, slot: int, columns: torch.Tensor) -> None:
     for layer in cache.layers:
         layer.keys[slot, :, :n] = layer.keys[slot, :, columns]
         layer.values[slot, :, :n] = layer.values[slot, :, columns]
+
+
+def generation_defaults() -> dict:
+    """transformers' global generation defaults, what an unset generation config field means (top_k 50, ...):
+    newer versions keep them apart (fields default to None), older ones set them in ``GenerationConfig()``."""
+    from transformers import GenerationConfig
+
+    known = getattr(GenerationConfig, "_get_default_generation_params", None)
+    if known is not None:
+        return dict(known())
+    return {k: v for k, v in GenerationConfig().to_dict().items() if v is not None}

@@ -2,6 +2,8 @@
 
 Lossless by construction: a drafted token is kept only if it equals the model's argmax at its parent, and every
 step appends the model's own argmax after the accepted path, so the output is greedy decoding's token for token.
+With a ``Picker`` (a penalty, sampling: decoding/sampling.py) "the model's argmax" becomes the token its rule
+chooses at each node, a function of the node's own path and output position only, and the same holds.
 The engine knows nothing about tokenization; adapters build the prompt, drafters build the trees.
 """
 
@@ -16,6 +18,7 @@ import torch
 from ..adapters import Adapter, Prompt
 from . import compat
 from .cost import SIZES, StepCost
+from .sampling import Picker, choose
 from .tree import Rows, Source, Tree, Verified
 
 
@@ -66,8 +69,10 @@ class Engine:
         compat.set_length(self.cache, 0)
 
     @torch.inference_mode()
-    def prefill(self, prompt: Prompt, want_rows: bool = False, reserve: int = 256) -> tuple[int, Rows | None]:
-        """Run the prompt; return the first greedy token and, if asked, top-k rows at every text position.
+    def prefill(self, prompt: Prompt, want_rows: bool = False, reserve: int = 256,
+                picker: Picker | None = None) -> tuple[int, Rows | None]:
+        """Run the prompt; return the first token (greedy, or ``picker``'s choice) and, if asked, the raw top-k
+        rows at every text position.
 
         ``reserve`` is the room a static cache keeps after the prompt (new tokens + the largest tree)."""
         self._new_cache(prompt.length + reserve + max(self.buckets))
@@ -80,7 +85,7 @@ class Engine:
                          use_cache=True, logits_to_keep=keep, **{self._cache_kw: self.cache}, **prompt.model_inputs)
         self.length = prompt.length
         logits = out.logits[0]
-        first = int(logits[-1].argmax())
+        first = int(logits[-1].argmax()) if picker is None else first_token(logits[-1:], prompt, picker, self.top_k)
         if not want_rows:
             return first, None
         rows = greedy_and_rows(logits, self.top_k)[1]
@@ -88,14 +93,18 @@ class Engine:
         return first, rows
 
     @torch.inference_mode()
-    def verify(self, tree: Tree) -> Verified:
-        """Evaluate root + draft nodes in one forward pass, accept the longest greedy path, compact the cache."""
+    def verify(self, tree: Tree, picker: Picker | None = None) -> Verified:
+        """Evaluate root + draft nodes in one forward pass, accept the longest path of chosen tokens (greedy, or
+        ``picker``'s), compact the cache."""
         t0 = time.perf_counter()
         n = len(tree)
         ids, pos, mask = self.step_inputs(tree)
         out = self._step(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
                          **{self._cache_kw: self.cache})
-        argmax, rows = greedy_and_rows(out.logits[0, :n], self.top_k)
+        if picker is None:
+            argmax, rows = greedy_and_rows(out.logits[0, :n], self.top_k)
+        else:
+            argmax, rows = choose(out.logits[0, :n], [tree], [picker], self.top_k)
         path = accept(tree, argmax)
         self._keep(path)
         self.cost.observe(ids.shape[1], time.perf_counter() - t0)  # the host copy above waited for the device
@@ -195,8 +204,15 @@ def greedy_and_rows(logits: torch.Tensor, k: int) -> tuple[list[int], Rows]:
     return packed[:, 0].long().tolist(), Rows(ids=packed[:, 1:k + 1].long(), probs=packed[:, k + 1:])
 
 
+def first_token(logits: torch.Tensor, prompt: Prompt, picker: Picker, k: int) -> int:
+    """The first new token under ``picker``'s rule: the prompt is its whole history (``logits`` at its last
+    position, shape (1, V))."""
+    return choose(logits, [Tree.root(int(prompt.input_ids[0, -1]))], [picker], k)[0][0]
+
+
 def accept(tree: Tree, argmax: list[int]) -> list[int]:
-    """Longest root-to-node path on which every node's token is the model's argmax at its parent."""
+    """Longest root-to-node path on which every node's token is the model's argmax (or chosen token) at its
+    parent."""
     child = {}
     for i in range(len(tree) - 1, 0, -1):  # reversed, so the first of duplicate siblings wins
         child[(tree.parents[i], tree.tokens[i])] = i
@@ -237,8 +253,9 @@ class Generation:
         return (len(self.tokens) - 1) / self.steps if self.steps else 0.0
 
 
-def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int) -> Generation:
-    """Greedy decoding with drafting; stops exactly where generate(do_sample=False) stops."""
+def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int, picker: Picker | None = None) -> Generation:
+    """Greedy decoding with drafting; stops exactly where generate(do_sample=False) stops. With ``picker`` each
+    token follows its rule instead (a penalty, seeded sampling), exactly as one token at a time would."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
     eos = engine.adapter.eos_token_ids
@@ -246,18 +263,23 @@ def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int) -> Ge
         drafter.cost = engine.cost
     gen = Generation()
     t0 = time.perf_counter()
-    first, rows = engine.prefill(prompt, want_rows=drafter.wants_prefill_rows, reserve=max_new_tokens)
+    chosen = {} if picker is None else {"picker": picker}  # plain greedy calls stay as they always were
+    if picker is not None:
+        picker.start(prompt.input_ids[0])
+    first, rows = engine.prefill(prompt, want_rows=drafter.wants_prefill_rows, reserve=max_new_tokens, **chosen)
     context = prompt.input_ids[0].tolist()
     gen.prefill_s = time.perf_counter() - t0
     drafter.start(context, rows)
     context.append(first)
     gen.tokens.append(first)
     gen.by_source[Source.BONUS.name] += 1
+    if picker is not None:
+        picker.extend([first])
     while first not in eos and len(gen.tokens) < max_new_tokens:
         t1 = time.perf_counter()
         tree = drafter.propose(context, room=max_new_tokens - len(gen.tokens) - 1)
         t2 = time.perf_counter()
-        verified = engine.verify(tree)
+        verified = engine.verify(tree, **chosen)
         t3 = time.perf_counter()
         drafter.observe(tree, verified)
         draft_s = (t2 - t1) + (time.perf_counter() - t3)
@@ -266,6 +288,8 @@ def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int) -> Ge
         gen.verify_s += t3 - t2
         added, done = commit(gen, tree, verified, eos, max_new_tokens)
         context.extend(added)
+        if picker is not None:
+            picker.extend(added)
         if done:
             break
     return gen

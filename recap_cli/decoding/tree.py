@@ -77,7 +77,7 @@ class Rows:
 class Verified:
     path: list[int]  # accepted node indices, starting with the root (0)
     bonus: int  # the model's greedy token after the last accepted node
-    argmax: list[int]  # the model's greedy token at every node
+    argmax: list[int]  # the model's token at every node: its argmax, or its rule's choice (decoding/sampling.py)
     rows: Rows
 
     def accepted_last(self, n: int) -> list[int]:
