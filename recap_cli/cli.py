@@ -111,6 +111,11 @@ def run(
     workers: int = typer.Option(1, min=1, help="--ray: sessions answering in parallel, one model each"),
     gpus_per_worker: float = typer.Option(0.0, min=0, help="--ray: GPUs each worker reserves"),
     cpus_per_worker: float = typer.Option(1.0, min=0, help="--ray: CPUs each worker reserves"),
+    prefix_cache: Optional[int] = typer.Option(None, "--prefix-cache", min=0, help="MB of prefill results kept "
+                                               "for reuse: a prompt that starts like an earlier one (same image, "
+                                               "same text before its question; a conversation's next turn) "
+                                               "prefills only the rest; 0: off [default: a tenth of the model's "
+                                               "weights, at least 64 MB]"),
 ) -> None:
     """Answer every request of INPUTS, one JSON line out per line in, in order."""
     _set_output(quiet)
@@ -130,7 +135,8 @@ def run(
     if compile not in ("auto", "on", "off"):
         fail("--compile takes auto, on or off")
     if ray is not None:
-        job = dict(model=model, method=method, knobs=knobs, compile=compile, device=device, dtype=dtype, attn=attn,
+        reuse = {} if prefix_cache is None else {"prefix_cache": prefix_cache}  # a Session argument, like knobs
+        job = dict(model=model, method=method, knobs=knobs | reuse, compile=compile, device=device, dtype=dtype, attn=attn,
                    max_new_tokens=max_new_tokens, base=base, batch=batch)
         _run_on_ray(source, job, dict(address=ray, workers=workers, gpus_per_worker=gpus_per_worker,
                                       cpus_per_worker=cpus_per_worker), output, resume, memory, summary, total)
@@ -138,9 +144,12 @@ def run(
     batch = batch or default_batch(adapter.device.type)
     try:
         session = _session(adapter, method, knobs, compile == "on" or (compile == "auto" and batch == 1 and
-                                                                    adapter.device.type == "cuda"), batch)
+                                                                    adapter.device.type == "cuda"), batch,
+                           prefix_cache)
     except (ModelError, ValueError) as exc:
         fail(str(exc))
+    if session.prefix_refusal:
+        info(f"prefix reuse is off: {session.prefix_refusal}")
     if memory is not None and memory.is_file():
         try:
             session.load_memory(memory)
@@ -223,6 +232,9 @@ def compare(
     offline: bool = typer.Option(False, help="never ask the hub; use the local cache only (also HF_HUB_OFFLINE=1)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress or info lines on stderr (the result "
                                "tables and errors still print)"),
+    prefix_cache: Optional[int] = typer.Option(None, "--prefix-cache", min=0, help="MB of prefill results every "
+                                               "method keeps for reuse (0: off; a method's own: ar:prefix=0) "
+                                               "[default: as recap run]"),
 ) -> None:
     """Run every method on the same inputs, interleaved, and report speedups over the baseline.
 
@@ -242,7 +254,8 @@ def compare(
             requests.append(req)
     adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
     try:
-        sessions = {label: comparison.make_session(adapter, label, batch) for label in labels}
+        sessions = {label: comparison.make_session(adapter, label, batch, "auto" if prefix_cache is None
+                                                   else prefix_cache) for label in labels}
     except ValueError as exc:
         fail(str(exc))
     with _progress(len(requests)) as progress:
@@ -314,9 +327,12 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
     raise typer.Exit(EXIT_FAILED_RECORDS if outcome.totals.errors else EXIT_OK)
 
 
-def _session(adapter, method: str, knobs: dict, compiled: bool, batch: int = 1) -> Session:
+def _session(adapter, method: str, knobs: dict, compiled: bool, batch: int = 1,
+             prefix_cache: int | None = None) -> Session:
     """The run's session; with ``compiled``, every step shape is compiled up front, and a failure to compile
-    falls back to eager decoding (the fast path must never cost a user the run)."""
+    falls back to eager decoding (the fast path must never cost a user the run). Prefix reuse at its default
+    size unless ``prefix_cache`` (or the knobs, from a Ray job) says otherwise."""
+    knobs = {"prefix_cache": "auto" if prefix_cache is None else prefix_cache} | knobs
     if not compiled:
         return Session(adapter, method, batch=batch, **knobs)
     try:
@@ -387,8 +403,9 @@ def _report(totals: Totals, summary: Path | None, stop: int | None, extra: dict 
     else:
         rate = f"{s['tokens_per_s']:.1f} tokens/s"
     rows = f", batch {s['batch']} ({s['mean_occupancy']:.1f} rows in flight)" if s.get("mean_occupancy") else ""
+    reuse = f", {s['prefix_reuse']:.0%} of prompt tokens reused" if s.get("prefix_reuse") else ""
     info(f"{s['items']} items, {s['errors']} errors, {s['new_tokens']} tokens {rate}, "
-         f"mean accepted {s['mean_accepted']:.2f}{rows}{note}")
+         f"mean accepted {s['mean_accepted']:.2f}{rows}{reuse}{note}")
     if "workers" in s:
         restarts = f" ({s['restarts']} restarted)" if s["restarts"] else ""
         info(f"{s['workers']} workers{restarts}")
