@@ -135,8 +135,9 @@ def run(
     if compile not in ("auto", "on", "off"):
         fail("--compile takes auto, on or off")
     if ray is not None:
-        reuse = {} if prefix_cache is None else {"prefix_cache": prefix_cache}  # a Session argument, like knobs
-        job = dict(model=model, method=method, knobs=knobs | reuse, compile=compile, device=device, dtype=dtype, attn=attn,
+        if prefix_cache is not None:  # a Session argument: it travels with the knobs
+            knobs = knobs | {"prefix_cache": prefix_cache}
+        job = dict(model=model, method=method, knobs=knobs, compile=compile, device=device, dtype=dtype, attn=attn,
                    max_new_tokens=max_new_tokens, base=base, batch=batch)
         _run_on_ray(source, job, dict(address=ray, workers=workers, gpus_per_worker=gpus_per_worker,
                                       cpus_per_worker=cpus_per_worker), output, resume, memory, summary, total)

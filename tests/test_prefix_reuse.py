@@ -272,8 +272,9 @@ def test_batch_one_engine_reuses_a_held_conversation_in_place(get_adapter):
 
 
 def test_demo_model_gives_the_same_tokens_with_reuse(tmp_path):
-    """The shipped demo model in float32, the grouped VQA set (ten lines: two images) and two conversations:
-    every method at batch 1 and 4 with reuse gives the tokens of the run without it, and reuses."""
+    """The shipped demo model in float32, the grouped VQA set (ten lines: two images) and two conversations: with
+    reuse, at batch 1 and 4, the tokens of the run without it (fp32 sums in another order could flip a near-tie:
+    none does here), and the reuse happens."""
     from pathlib import Path
 
     from recap_cli.models import load
@@ -285,11 +286,44 @@ def test_demo_model_gives_the_same_tokens_with_reuse(tmp_path):
         with open(bench / name, "rb") as f:
             reqs += list(read(f, bench))[:n]
     demo = load("demo", device="cpu", dtype="fp32")
-    want = [t for _, t in run(Session(demo, "ar"), reqs)]
-    for method in METHODS:
-        for batch in (1, 4):
-            out = run(Session(demo, method, batch=batch, prefix_cache=64), reqs)
-            assert [t for _, t in out] == want, (method, batch)
-            reused = hits(out)
-            assert all(reused[f"gvqa-demo-0{i}-{k}"] > 0 for i in (1, 2) for k in (2, 3, 4, 5)), reused
-            assert reused["chat-demo-01"] > 0 and reused["chat-demo-02"] > 0
+    want = [t for _, t in answer_all(Session(demo, "ar"), reqs, "demo", 24)]
+    for method, batch in [("ar", 1), ("recap", 1), ("ar", 4), ("recap", 4), ("tr", 4), ("pld", 4)]:
+        out = list(answer_all(Session(demo, method, batch=batch, prefix_cache=64), reqs, "demo", 24))
+        assert [t for _, t in out] == want, (method, batch)
+        reused = hits(out)
+        assert all(reused[f"gvqa-demo-0{i}-{k}"] > 0 for i in (1, 2) for k in (2, 3, 4, 5)), reused
+        assert reused["chat-demo-01"] > 0 and reused["chat-demo-02"] > 0
+
+
+def test_run_and_compare_switch_reuse_on_the_command_line(model_dirs, tmp_path):
+    """``recap run`` reuses by default (records and summary say how much) and not with --prefix-cache 0, same
+    answers; ``recap compare`` runs reuse on and off side by side as methods, each checked against the baseline."""
+    import orjson
+    from typer.testing import CliRunner
+
+    from recap_cli import cli
+
+    make_image(1).save(tmp_path / "a.png")
+    rows = [{"id": f"q{i}", "image": "a.png", "question": q} for i, q in
+            enumerate(["What colour is the square?", "Describe the picture in one sentence, please.", "hi"])]
+    (tmp_path / "in.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    out = {}
+    for setting in ([], ["--prefix-cache", "0"]):
+        summary = tmp_path / f"summary{len(setting)}.json"
+        result = CliRunner().invoke(cli.app, ["run", str(tmp_path / "in.jsonl"), "--model", str(model_dirs["qwen"]),
+                                              "--max-new-tokens", "8", "--batch", "2", "--summary", str(summary),
+                                              *setting])
+        assert result.exit_code == 0, result.stderr
+        out[bool(setting)] = [orjson.loads(x) for x in result.stdout.splitlines()]
+        reuse = orjson.loads(summary.read_bytes())["prefix_reuse"]
+        assert (reuse == 0) if setting else (reuse > 0 and "of prompt tokens reused" in result.stderr)
+    assert [r["answer"] for r in out[False]] == [r["answer"] for r in out[True]]
+    assert sum(r["prefix_hit"] for r in out[False]) > 0 and not any(r["prefix_hit"] for r in out[True])
+    result = CliRunner().invoke(cli.app, ["compare", str(tmp_path / "in.jsonl"), "--model", str(model_dirs["qwen"]),
+                                          "--methods", "ar:prefix=0,recap,recap:prefix=0", "--max-new-tokens", "8",
+                                          "--json", str(tmp_path / "cmp.json")])
+    assert result.exit_code == 0, result.stderr
+    summary = orjson.loads((tmp_path / "cmp.json").read_bytes())["summary"]["in"]
+    assert all(s["match_rate"] == 1.0 for s in summary.values())
+    assert summary["ar"]["prefix_reuse"] > 0 and summary["recap"]["prefix_reuse"] > 0
+    assert summary["ar:prefix=0"]["prefix_reuse"] == 0 == summary["recap:prefix=0"]["prefix_reuse"]
