@@ -9,9 +9,11 @@ Sets (``sample_inputs/bench``): grouped VQA (five questions per image, consecuti
 multi-turn (three turns per image, each seeing the answers before it) and captions (one request per image:
 nothing repeats, so reuse can only cost). For every set and batch size, one session with the prefix cache at its
 default size and one without run back to back, their order rotating from round to round, memories cleared before
-each run. Reported: median requests/hour and wall tokens/s, the ratio on/off, the share of prompt tokens reused,
-preparation's share of wall time (``wait``: the decoding thread waited for it or ran it; ``work``: the jobs' own
-time, on other threads) and whether the tokens of every run equal those of the first run without reuse.
+each run. Reported: median requests/hour and wall tokens/s, the ratio on/off, CPU seconds of the process (a
+steadier measure of work on a shared machine) and their ratio, the share of prompt tokens reused, prefill's share
+of wall time, preparation's share of wall time (``wait``: the decoding thread waited for it or ran it; ``work``:
+the jobs' own time, on other threads) and whether the tokens of every run equal those of the first run without
+reuse.
 
 ``--rss N`` runs N grouped-VQA requests about N/5 fresh demo images (written to a temporary folder) at the
 default batch in a child process per setting, sampling its resident memory every 0.2 s: peak, and the level at
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -54,17 +57,24 @@ def requests(path: Path) -> list:
     return reqs
 
 
+def cpu_s() -> float:
+    """CPU seconds of this process, all threads: on a shared machine a steadier measure of work than wall time."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def timed(session: Session, reqs: list, max_new_tokens: int, workers: int) -> dict:
     session.reset_memory()  # drafter memories and the prefix cache: every run starts alike
     session.steps = session.rows_stepped = 0
     preparer = Preparer(workers)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_s()
     with preparer:
         out = list(answer_all(session, reqs, "bench", max_new_tokens, preparer=preparer))
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, cpu_s() - c0
     records = [r for r, _ in out]
     assert all(r["error"] is None for r in records), [r["error"] for r in records if r["error"]]
-    return {"wall": wall, "tokens": [t for _, t in out], "new_tokens": sum(r["new_tokens"] for r in records),
+    return {"wall": wall, "cpu": cpu, "tokens": [t for _, t in out],
+            "new_tokens": sum(r["new_tokens"] for r in records),
             "prompt_tokens": sum(r["prompt_tokens"] for r in records),
             "prefix_hit": sum(r["prefix_hit"] for r in records),
             "prefill_s": sum(r["prefill_ms"] for r in records) / 1000,
@@ -103,23 +113,27 @@ def throughput(args: argparse.Namespace) -> None:
             "requests_per_hour": statistics.median(3600 * n / x["wall"] for x in results),
             "requests_per_hour_runs": [round(3600 * n / x["wall"]) for x in results],
             "wall_tokens_per_s": statistics.median(x["new_tokens"] / x["wall"] for x in results),
+            "cpu_s": statistics.median(x["cpu"] for x in results),
             "prefix_reuse": results[0]["prefix_hit"] / results[0]["prompt_tokens"],
-            "prefill_share": statistics.median(x["prefill_s"] / x["wall"] / (b if b > 1 else 1) for x in results),
+            "prefill_share": statistics.median(x["prefill_s"] / x["wall"] for x in results),
             "prepare_wait_share": statistics.median(x["wait_share"] for x in results),
             "prepare_work_share": statistics.median(x["work_share"] for x in results),
             "match": all(x["tokens"] == reference for x in results),
         })
-    off = {(r["set"], r["batch"], r["workers"]): r["requests_per_hour"] for r in rows if not r["reuse"]}
+    off = {(r["set"], r["batch"], r["workers"]): r for r in rows if not r["reuse"]}
     print(f"\n{args.method}, max {args.max_new_tokens} new tokens, {torch.get_num_threads()} threads, {args.dtype}, "
           f"{args.rounds} rounds (median; runs in brackets)")
-    print("| set | batch | reuse | prep threads | requests/hour | wall tokens/s | x off | prompt reused "
-          "| prep wait | prep work | tokens equal |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| set | batch | reuse | prep threads | requests/hour | wall tokens/s | x off | CPU s (x off) "
+          "| prompt reused | prefill | prep wait | prep work | tokens equal |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for row in rows:
-        ratio = row["requests_per_hour"] / off[(row["set"], row["batch"], row["workers"])]
+        base = off[(row["set"], row["batch"], row["workers"])]
+        ratio = row["requests_per_hour"] / base["requests_per_hour"]
         print(f"| {row['set']} | {row['batch']} | {'on' if row['reuse'] else 'off'} | {row['workers']} | "
               f"{row['requests_per_hour']:,.0f} ({', '.join(f'{x:,}' for x in row['requests_per_hour_runs'])}) | "
-              f"{row['wall_tokens_per_s']:.1f} | {ratio:.2f} | {100 * row['prefix_reuse']:.0f}% | "
+              f"{row['wall_tokens_per_s']:.1f} | {ratio:.2f} | "
+              f"{row['cpu_s']:.1f} ({base['cpu_s'] / row['cpu_s']:.2f}) | "
+              f"{100 * row['prefix_reuse']:.0f}% | {100 * row['prefill_share']:.0f}% | "
               f"{100 * row['prepare_wait_share']:.1f}% | {100 * row['prepare_work_share']:.1f}% | "
               f"{'yes' if row['match'] else 'NO'} |")
     if args.json:
