@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from .decoding import compat
+from .prefix_cache import image_key
 
 Message = dict[str, Any]  # {"role": "user"|"assistant"|"system", "content": str | list of parts}
 
@@ -30,6 +31,7 @@ class Prompt:
     model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # pixels, grids, image sizes, ...
     position_ids: torch.Tensor | None = None  # (3, 1, L) for M-RoPE
     rope_delta: int = 0
+    image_keys: tuple[str, ...] = ()  # content hash of each image (prefix reuse matches on them)
 
     @property
     def length(self) -> int:
@@ -102,6 +104,32 @@ class Adapter:
                 inputs[key] = _cat_padded([p.model_inputs[key] for p in prompts if key in p.model_inputs])
         return inputs
 
+    # Prefix reuse (recap_cli/prefix_cache.py).
+
+    def image_end(self, prompt: Prompt) -> int:
+        """The index after the prompt's last image token (0 without images): a reused prefix reaches at least
+        this far, so the suffix prefilled over it is text only."""
+        if self.image_token_id is None:
+            return 0
+        where = (prompt.input_ids[0] == self.image_token_id).nonzero()
+        return int(where[-1]) + 1 if where.numel() else 0
+
+    def reusable_end(self, prompt: Prompt) -> int:
+        """How much of a prompt later requests are likely to share, kept when its turn ends: through the last
+        image (questions about the same image differ after it), or all of a text prompt (the question cannot be
+        told from a system prompt here; a later lookup takes the common part)."""
+        return self.image_end(prompt) or prompt.length
+
+    def reuse_refusal(self) -> str | None:
+        """Why a suffix cannot follow a cached prefix exactly on this model (None: it can). Every family recap
+        adapts can: attention is causal past the image blocks (Gemma 3's bidirectional block lies whole in the
+        prefix), keys are cached after RoPE, and text positions after the last image continue one by one (Qwen's
+        M-RoPE delta comes with the prompt). What cannot be copied is a cache that drops positions."""
+        if not compat.holds_every_position(self.new_cache()):
+            return (f"{self.arch} caches only a window of positions in some layers, so a prefix cannot be copied "
+                    "whole")
+        return None
+
     # Hooks for architectures whose layers differ (default: one mask serves every layer).
 
     def new_cache(self, capacity: int | None = None):
@@ -134,7 +162,8 @@ class VisionAdapter(Adapter):
 
     def build(self, messages: list[Message], images: list[Image.Image]) -> Prompt:
         inputs = self._processor_inputs(messages, images)
-        return Prompt(input_ids=inputs.pop("input_ids"), model_inputs=inputs)
+        return Prompt(input_ids=inputs.pop("input_ids"), model_inputs=inputs,
+                      image_keys=tuple(image_key(i) for i in images))
 
     def _processor_inputs(self, messages: list[Message], images: list[Image.Image]) -> dict[str, torch.Tensor]:
         if count_images(messages) != len(images):
@@ -169,13 +198,15 @@ class QwenVLAdapter(VisionAdapter):
     def build(self, messages: list[Message], images: list[Image.Image]) -> Prompt:
         inputs = self._processor_inputs(messages, images)
         input_ids = inputs.pop("input_ids")
+        keys = tuple(image_key(i) for i in images)
         # Kept in model_inputs so generate() can derive the same positions; the engine's forward ignores it.
         type_ids = inputs.setdefault("mm_token_type_ids", (input_ids == self.image_token_id).int())
         if "image_grid_thw" not in inputs:  # text-only request: plain positions
-            return Prompt(input_ids=input_ids, model_inputs=inputs)
+            return Prompt(input_ids=input_ids, model_inputs=inputs, image_keys=keys)
         positions, delta = self.model.model.get_rope_index(
             input_ids, mm_token_type_ids=type_ids, image_grid_thw=inputs["image_grid_thw"])
-        return Prompt(input_ids=input_ids, model_inputs=inputs, position_ids=positions, rope_delta=int(delta.item()))
+        return Prompt(input_ids=input_ids, model_inputs=inputs, position_ids=positions, rope_delta=int(delta.item()),
+                      image_keys=keys)
 
 
 class Gemma3Adapter(VisionAdapter):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Generator, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from PIL import Image
@@ -11,6 +12,7 @@ from PIL import Image
 from .adapters import Adapter, Message, Prompt
 from .decoding.engine import Generation
 from .decoding.sampling import GREEDY, Picker, Settings, request_key
+from .prepare import Preparer
 from .records import Request, as_parts, first_line, load_image, user_message
 from .session import GenerateSession, Session
 from .decoding.tree import Source
@@ -29,6 +31,8 @@ class Totals:
     steps: int = 0
     emitted_in_steps: int = 0
     by_source: Counter = field(default_factory=Counter)
+    prompt_tokens: int = 0
+    prefix_hit: int = 0
 
     def add(self, record: dict) -> None:
         self.items += 1
@@ -40,6 +44,8 @@ class Totals:
         self.steps += record["steps"]
         self.emitted_in_steps += record["new_tokens"] - record["turns"]  # each turn's first token is prefill's
         self.by_source.update(record["tokens_by_source"])
+        self.prompt_tokens += record.get("prompt_tokens", 0)
+        self.prefix_hit += record.get("prefix_hit", 0)
 
     @property
     def answered(self) -> int:
@@ -52,6 +58,8 @@ class Totals:
             "tokens_per_s": self.new_tokens / self.seconds if self.seconds else 0.0,
             "mean_accepted": self.emitted_in_steps / self.steps if self.steps else 0.0,
             "tokens_by_source": dict(self.by_source),
+            # Prompt tokens taken from the prefix cache instead of prefilled, over all prompt tokens.
+            "prefix_reuse": self.prefix_hit / self.prompt_tokens if self.prompt_tokens else 0.0,
         }
 
 
@@ -129,51 +137,136 @@ def _turns(adapter: Adapter, req: Request, method: str, model: str, max_new_toke
     return record, [g.tokens for g in gens]
 
 
+@dataclass
+class Turn:
+    """One turn prepared to decode, and whether its conversation goes on after it (its cache is then kept)."""
+
+    prompt: Prompt
+    limit: int
+    more: bool
+    picker: Picker | None = None  # its token-choice rule (None: plain greedy)
+
+
+class Conversation:
+    """One request's turns, advanced one at a time, on the decoding thread or a preparation thread (never two at
+    once: the next turn is asked for only when the last one's answer is in)."""
+
+    def __init__(self, session: Session | GenerateSession, req: Request, model: str, max_new_tokens: int):
+        self.session, self.req, self.model = session, req, model
+        self.turns = _turns(session.adapter, req, session.method, model, req.max_new_tokens or max_new_tokens,
+                            getattr(session, "sampling", GREEDY))
+        self.asked = 0
+
+    def advance(self, result: Generation | None) -> Turn | Answered:
+        """The next turn, prepared (image loaded, processor run, tokens counted), or the request's record once it
+        has no more; a failure (a bad image, a prompt too long, ...) is its record's error."""
+        try:
+            messages, images, limit, picker = next(self.turns) if result is None else self.turns.send(result)
+            prompt, limit = self.session.prepare(messages, images, limit)
+        except StopIteration as done:
+            return done.value
+        except Exception as exc:  # noqa: BLE001 - a request's failure is its record's, never the run's
+            return self.failed(exc)
+        self.asked += 1
+        return Turn(prompt, limit, self.asked < len(self.req.turns), picker)
+
+    def failed(self, exc: BaseException) -> Answered:
+        return error_record(self.req, self.session.method, self.model, failure(exc)), []
+
+
 def answer_all(session: Session | GenerateSession, requests: Iterable[Request], model: str,
-               max_new_tokens: int) -> Iterator[Answered]:
-    """Every request's record (and tokens) in input order. With ``session.batch`` > 1 up to that many turns
-    decode together: a finished record waits until those before it are out, and is yielded as soon as they
-    are."""
-    if getattr(session, "batch", 1) <= 1:
-        for req in requests:
-            yield answer_with_tokens(session, req, model, max_new_tokens)
-        return
-    yield from InFlight(session, model, max_new_tokens).run(requests)
+               max_new_tokens: int, workers: int | None = None,
+               preparer: Preparer | None = None) -> Iterator[Answered]:
+    """Every request's record (and tokens) in input order. The next requests' first turns are prepared on
+    ``workers`` threads (default ``PREPARE_WORKERS``; 0: inline), or by ``preparer``, while earlier ones decode.
+    With ``session.batch`` > 1 up to that many turns decode together: a finished record waits until those
+    before it are out, and is yielded as soon as they are."""
+    own = preparer is None
+    preparer = Preparer(PREPARE_WORKERS if workers is None else workers) if own else preparer
+    try:
+        if getattr(session, "batch", 1) <= 1:
+            yield from _one_at_a_time(session, requests, model, max_new_tokens, preparer)
+        else:
+            yield from InFlight(session, model, max_new_tokens, preparer).run(requests)
+    finally:
+        if own:
+            preparer.close()
+
+
+PREPARE_WORKERS = 2  # preparation threads: one can decode a slow image while the other runs the processor
+LOOK_AHEAD = 2  # requests prepared ahead, per row of the batch
+
+
+def _one_at_a_time(session: Session | GenerateSession, requests: Iterable[Request], model: str,
+                   max_new_tokens: int, preparer: Preparer) -> Iterator[Answered]:
+    """Batch 1: the next requests' first turns are prepared while one decodes; a later turn depends on the
+    answer before it, so it is prepared when that answer is in."""
+    ahead: deque[tuple[Conversation | None, Future]] = deque()
+    pending = iter(requests)
+    while True:
+        while len(ahead) < LOOK_AHEAD and (req := next(pending, None)) is not None:
+            if req.error is not None:
+                ahead.append((None, preparer.done((error_record(req, session.method, model, req.error), []))))
+            else:
+                chat = Conversation(session, req, model, max_new_tokens)
+                ahead.append((chat, preparer.submit(chat.advance, None)))
+        if not ahead:
+            return
+        chat, step = ahead.popleft()
+        step = preparer.result(step)
+        while isinstance(step, Turn):
+            try:
+                gen = session.decode(step.prompt, step.limit, step.picker)
+            except (ValueError, RuntimeError) as exc:  # out of memory on one huge input, ...
+                step = chat.failed(exc)
+                break
+            step = preparer.call(chat.advance, gen)
+        yield step
 
 
 class InFlight:
-    """Continuous batching over a stream of requests: whenever rows are free the next requests (or the next
-    turns of multi-turn ones) are prefilled together and join; records leave in input order."""
+    """Continuous batching over a stream of requests: whenever rows are free the turns prepared by then (the
+    next requests' first turns, the next turns of multi-turn ones) are prefilled together and join; records
+    leave in input order. Preparation runs on ``preparer``'s threads, at most ``LOOK_AHEAD`` x batch requests
+    ahead, and the decoding loop never waits for it while rows are decoding: a slow image holds up no one."""
 
-    def __init__(self, session: Session, model: str, max_new_tokens: int):
+    def __init__(self, session: Session, model: str, max_new_tokens: int, preparer: Preparer | None = None):
         self.session, self.model, self.max_new_tokens = session, model, max_new_tokens
-        self.batch = session.new_batch()
-        self.turns: dict[int, tuple[Request, Generator[Ask, Generation, Answered]]] = {}
-        self.asking: list[tuple[int, Prompt, int]] = []  # turns waiting to join: (request, prompt, limit)
+        self.preparer = preparer or Preparer(0)
+        self.more: set[int] = set()  # requests whose turn in the batch is followed by another
+        self.batch = session.new_batch(keeps=self.more.__contains__)
+        self.chats: dict[int, Conversation] = {}
+        self.preparing: dict[int, Future] = {}  # request -> its next turn (or record), being prepared
+        self.asking: dict[int, Turn] = {}  # turns prepared, waiting to join
         self.done: dict[int, Answered] = {}
         self.started = self.next_out = 0
         self.refill = max(1, self.batch.size // REFILL_SHARE)
+        self.ahead = LOOK_AHEAD * self.batch.size
 
     def run(self, requests: Iterable[Request]) -> Iterator[Answered]:
         pending = iter(requests)
         exhausted = False
         while True:
+            while not exhausted and len(self.preparing) + len(self.asking) < self.ahead:
+                req = next(pending, None)
+                if req is None:
+                    exhausted = True
+                else:
+                    self._begin(req)
+            # Preparation is waited for only when nothing decodes: then for a full batch (one joint prefill).
+            self._collect(until=0 if self.batch else self.batch.size)
             # Rows are refilled once enough are free: prefilling several turns in one forward pass costs far
             # less per turn than one at a time (demo model, 2 cores: 14 ms for one, 7 ms each for four).
-            if self.batch.size - len(self.batch) >= self.refill or not self.batch or exhausted:
-                while not exhausted and len(self.batch) + len(self.asking) < self.batch.size:
-                    req = next(pending, None)
-                    if req is None:
-                        exhausted = True
-                    else:
-                        self._begin(req)
-                while self.asking:  # joining may end turns at once (and start next turns): until all have joined
-                    asking, self.asking = self.asking, []
-                    for seq, result in self.batch.add(asking):
-                        self._resume(seq, result)
+            free = self.batch.size - len(self.batch)
+            if self.asking and (free >= self.refill or not self.batch or exhausted):
+                joining = sorted(self.asking)[:free]
+                turns = [self.asking.pop(seq) for seq in joining]
+                outcomes = self.batch.add([(seq, t.prompt, t.limit, t.picker) for seq, t in zip(joining, turns)])
+                for seq, result in outcomes:
+                    self._resume(seq, result)
             yield from self._ready()
             if not self.batch:
-                if exhausted:
+                if exhausted and not self.preparing and not self.asking:
                     break
                 continue
             for seq, result in self.batch.step():
@@ -185,25 +278,38 @@ class InFlight:
         if req.error is not None:
             self.done[seq] = error_record(req, self.session.method, self.model, req.error), []
             return
-        limit = req.max_new_tokens or self.max_new_tokens
-        self.turns[seq] = req, _turns(self.session.adapter, req, self.session.method, self.model, limit,
-                                      self.session.sampling)
+        self.chats[seq] = Conversation(self.session, req, self.model, self.max_new_tokens)
         self._resume(seq, None)
 
     def _resume(self, seq: int, result: Generation | Exception | None) -> None:
-        """Hand a request its turn's result and prepare its next turn (which waits to join), or finish it."""
-        req, turns = self.turns[seq]
-        try:
-            if isinstance(result, Exception):
-                raise result
-            messages, images, limit, picker = next(turns) if result is None else turns.send(result)
-            self.asking.append((seq, *self.session.prepare(messages, images, limit), picker))
+        """Hand a request its turn's result; its next turn (or its record) is prepared off this thread."""
+        self.more.discard(seq)
+        if isinstance(result, Exception):  # a request's failure is its record's, never the batch's
+            self.done[seq] = self.chats.pop(seq).failed(result)
             return
-        except StopIteration as stop:
-            self.done[seq] = stop.value
-        except Exception as exc:  # noqa: BLE001 - a request's failure is its record's, never the batch's
-            self.done[seq] = error_record(req, self.session.method, self.model, failure(exc)), []
-        del self.turns[seq]
+        self.preparing[seq] = self.preparer.submit(self.chats[seq].advance, result)
+
+    def _collect(self, until: int) -> None:
+        """Take the preparations that are done (turns to join, or records), waiting while fewer than ``until``
+        turns are ready and more are on their way, but not for a slow one: once some turn is ready, a wait of a
+        few jobs' usual time without any finishing ends it."""
+        self._take()
+        while len(self.asking) < until and self.preparing:
+            patience = self.preparer.patience() if self.asking else None
+            if not self.preparer.wait_any(self.preparing.values(), patience):
+                return
+            self._take()
+
+    def _take(self) -> None:
+        for seq in [s for s, f in self.preparing.items() if f.done()]:
+            step = self.preparer.result(self.preparing.pop(seq))
+            if isinstance(step, Turn):
+                self.asking[seq] = step
+                if step.more:
+                    self.more.add(seq)
+            else:
+                self.done[seq] = step
+                del self.chats[seq]
 
     def _ready(self) -> Iterator[Answered]:
         while self.next_out in self.done:
@@ -231,6 +337,8 @@ def result_record(req: Request, method: str, model: str, answer: str, gens: list
         "tokens_by_source": {SOURCE_KEYS[k]: v for k, v in sources.items() if k in SOURCE_KEYS},
         "draft_ms": round(1000 * sum(g.draft_s for g in gens), 3),
         "decoding": settings.describe(),  # how its tokens were chosen (and the seed of sampled ones)
+        "prompt_tokens": sum(g.prompt_tokens for g in gens),
+        "prefix_hit": sum(g.prefix_hit for g in gens),  # of those, taken from the prefix cache
         "error": None,
     }
     if req.dataset is not None:

@@ -156,6 +156,11 @@ def run(
                                        "with every method and batch size [default: drawn, written to the records]"),
     generation_config: str = typer.Option("model", help="model: start from the model's generation config, as "
                                           "model.generate() does; greedy: from plain greedy decoding"),
+    prefix_cache: Optional[int] = typer.Option(None, "--prefix-cache", min=0, help="MB of prefill results kept "
+                                               "for reuse: a prompt that starts like an earlier one (same image, "
+                                               "same text before its question; a conversation's next turn) "
+                                               "prefills only the rest; 0: off [default: a tenth of the model's "
+                                               "weights, at least 64 MB]"),
 ) -> None:
     """Answer every request of INPUTS, one JSON line out per line in, in order."""
     _set_output(quiet)
@@ -177,6 +182,7 @@ def run(
     saved = _memory_file(memory, method, memory_cold_on_error)  # a damaged file stops the run before the model loads
     decoding = _decoding_asked(generation_config, temperature=temperature, top_p=top_p, top_k=top_k,
                                repetition_penalty=repetition_penalty, seed=seed)
+    knobs = {"prefix_cache": "auto" if prefix_cache is None else prefix_cache} | knobs  # a Session argument
     if ray is not None:
         job = dict(model=model, method=method, knobs=knobs, compile=compile, device=device, dtype=dtype, attn=attn,
                    max_new_tokens=max_new_tokens, base=base, batch=batch, decoding=decoding)
@@ -194,6 +200,8 @@ def run(
                                                                     adapter.device.type == "cuda"), batch, settings)
     except (ModelError, ValueError) as exc:
         fail(str(exc))
+    if session.prefix_refusal:
+        info(f"prefix reuse is off: {session.prefix_refusal}")
     if saved is not None:
         try:
             session.load_memory(memory, saved)  # what needs the model: its fingerprint, the drafter's own payload
@@ -322,6 +330,9 @@ def compare(
                                        "with every method and batch size [default: drawn, written to the records]"),
     generation_config: str = typer.Option("model", help="model: start from the model's generation config, as "
                                           "model.generate() does; greedy: from plain greedy decoding"),
+    prefix_cache: Optional[int] = typer.Option(None, "--prefix-cache", min=0, help="MB of prefill results every "
+                                               "method keeps for reuse (0: off; a method's own: ar:prefix=0) "
+                                               "[default: as recap run]"),
 ) -> None:
     """Run every method on the same inputs, interleaved, and report speedups over the baseline.
 
@@ -348,7 +359,9 @@ def compare(
     adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
     settings = _settings(adapter, decoding)
     try:
-        sessions = {label: comparison.make_session(adapter, label, batch, settings) for label in labels}
+        sessions = {label: comparison.make_session(adapter, label, batch, settings,
+                                                   "auto" if prefix_cache is None else prefix_cache)
+                    for label in labels}
     except ValueError as exc:
         fail(str(exc))
     with _progress(len(requests)) as progress:
@@ -574,9 +587,10 @@ def _report(totals: Totals, summary: Path | None, stop: int | None, extra: dict 
     else:
         rate = f"{s['tokens_per_s']:.1f} tokens/s"
     rows = f", batch {s['batch']} ({s['mean_occupancy']:.1f} rows in flight)" if s.get("mean_occupancy") else ""
+    reuse = f", {s['prefix_reuse']:.0%} of prompt tokens reused" if s.get("prefix_reuse") else ""
     if s["answered"]:
         info(f"{s['items']} items, {s['errors']} errors, {s['new_tokens']} tokens {rate}, "
-             f"mean accepted {s['mean_accepted']:.2f}{rows}{note}")
+             f"mean accepted {s['mean_accepted']:.2f}{rows}{reuse}{note}")
     else:  # no rates of nothing (an empty resume, every line failed): "0 requests/hour, mean accepted 0.00"
         info(f"{s['items']} items, {s['errors']} errors: nothing was answered{note}")
     if "workers" in s:

@@ -30,6 +30,7 @@ KNOB_PARSERS: dict[str, Callable[[str], object]] = {
     "mixing": str, "budget": str, "depth": int, "width": int, "top_k": int, "suffix_len": int,
     "suffix": _on_off, "calibrate": _on_off, "depths": int,
     "orders": lambda v: tuple(int(c) for c in v),
+    "prefix": float,  # MB of prefix cache (0: reuse off), any method of recap's engines
 }
 
 
@@ -50,6 +51,8 @@ class Measurement:
     wall_s: float = 0.0  # its share of the wall time its method took over the dataset (batched: wall / inputs)
     match: bool | None = None  # tokens equal the baseline's
     error: str | None = None
+    prompt_tokens: int = 0
+    prefix_hit: int = 0  # prompt tokens taken from the prefix cache
     input: int | None = None  # its position among all inputs: what pairs it with the baseline's (ids repeat)
     line: int | None = None  # its line in its file
 
@@ -78,11 +81,14 @@ def parse_method(spec: str) -> tuple[str, dict]:
             knobs[key] = KNOB_PARSERS[key](value)
         except (KeyError, ValueError) as exc:
             raise ValueError(f"bad value in '{part}' of '{spec}'") from exc
+    reuse = {"prefix_cache": knobs.pop("prefix")} if "prefix" in knobs else {}  # the session's, not a drafter's
+    if reuse and name in HF_METHODS:
+        raise ValueError(f"'{spec}': generate() keeps no prefix cache")
     if knobs and name != "recap" and (set(knobs) != {"budget"} or name not in ("tr", "pld")):
         raise ValueError(f"'{spec}': only recap has variants (tr and pld take budget; suffix runs as vLLM does)")
     if "budget" in knobs:
         knobs["budget"] = parse_budget(name, knobs["budget"])
-    return name, knobs
+    return name, knobs | reuse
 
 
 def parse_budget(method: str, value: str) -> int | str:
@@ -102,15 +108,16 @@ def parse_budget(method: str, value: str) -> int | str:
 
 
 def make_session(adapter: Adapter, spec: str, batch: int = 1,
-                 sampling: Settings = GREEDY) -> Session | GenerateSession:
+                 sampling: Settings = GREEDY, prefix_cache: float | str = 0) -> Session | GenerateSession:
     """One method's session. Every method takes the same ``sampling`` settings (and seed): recap's methods then
-    give the baseline's tokens; hf's sampled tokens come from torch's generator, so its match rate is low."""
+    give the baseline's tokens; hf's sampled tokens come from torch's generator, so its match rate is low.
+    ``prefix_cache``: MB of prefix reuse (or ``auto``) for every method that does not set its own (``:prefix=``)."""
     name, knobs = parse_method(spec)
     if name in HF_METHODS:
         if batch > 1:
             raise ValueError(f"{name} runs transformers' generate() one request at a time: compare it at --batch 1")
         return GenerateSession(adapter, name, sampling=sampling)
-    return Session(adapter, name, batch=batch, sampling=sampling, **knobs)
+    return Session(adapter, name, batch=batch, sampling=sampling, **{"prefix_cache": prefix_cache} | knobs)
 
 
 def group(requests: Iterable[Request]) -> dict[str, list[Request]]:
@@ -193,6 +200,7 @@ def _measured(record: dict, tokens: list[list[int]], req: Request, dataset: str,
         m.emitted = record["new_tokens"] - record["turns"]
         m.draft_s = record["draft_ms"] / 1000
         m.decode_s = record["decode_ms"] / 1000
+        m.prompt_tokens, m.prefix_hit = record.get("prompt_tokens", 0), record.get("prefix_hit", 0)
     m.wall_s = m.seconds if wall_s is None else wall_s
     return m, tokens
 
@@ -242,6 +250,7 @@ def _stats(rows: list[Measurement], base: dict[int | str, Measurement]) -> dict:
         "draft_share": sum(r.draft_s for r in ok) / decode if decode else 0.0,
         "match_rate": sum(r.match for r in checked) / len(checked) if checked else math.nan,
         "mismatches": [r.id for r in checked if not r.match],
+        "prefix_reuse": sum(r.prefix_hit for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
         "speedups": speedups,
     }
 

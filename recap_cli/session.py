@@ -7,8 +7,9 @@ import logging
 import os
 import pickle
 import re
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from .decoding.batched_static import StaticBatchEngine
 from .drafters import Drafter, make_drafter
 from .decoding.engine import Engine, Generation, generate
 from .decoding.sampling import GREEDY, Picker, Settings
+from .prefix_cache import PrefixCache, auto_megabytes
 from .records import as_parts, first_line, user_message
 
 MEMORY_FORMAT, MEMORY_VERSION = "recap-memory", 3  # 3: RECAP keeps the stream memory
@@ -37,9 +39,13 @@ class Session:
     default. A sampling run without a seed draws one here, so every record can say which it used."""
 
     def __init__(self, adapter: Adapter, method: str = "recap", static: bool = False, compile: bool = False,
-                 batch: int = 1, sampling: Settings = GREEDY, **knobs):
+                 batch: int = 1, sampling: Settings = GREEDY, prefix_cache: float | str = 0, **knobs):
+        """``prefix_cache``: megabytes of prefill results kept for reuse across requests; ``auto`` (what
+        ``recap run`` uses): a tenth of the model's weights, at least 64 MB; 0 (the default here): off."""
         if batch < 1:
             raise ValueError("batch is at least 1")
+        if prefix_cache != "auto" and not (isinstance(prefix_cache, (int, float)) and prefix_cache >= 0):
+            raise ValueError("--prefix-cache is a size in MB, 0 or more")
         self.adapter = adapter
         self.method = method
         self.batch = batch
@@ -54,30 +60,51 @@ class Session:
             self.batch_engine = (StaticBatchEngine(adapter, top_k=top_k, max_batch=batch, compile=compile)
                                  if static or compile else BatchEngine(adapter, top_k=top_k, max_batch=batch))
         self.steps = self.rows_stepped = 0  # batched steps and the rows they verified (occupancy)
+        self._building = threading.Lock()
+        self.prefix_refusal = adapter.reuse_refusal() if prefix_cache != 0 else None  # why reuse is off, if so
+        megabytes = auto_megabytes(adapter.model) if prefix_cache == "auto" else prefix_cache
+        self.prefixes = PrefixCache(megabytes) if megabytes > 0 and self.prefix_refusal is None else None
+        self.engine.prefixes = self.prefixes
+        if self.batch_engine is not None:
+            self.batch_engine.prefixes = self.prefixes
 
     def warm_up(self, messages: list[Message], images: list[Image.Image]) -> float:
         """Compile / capture every step shape before timed work; seconds spent."""
         prompt = self.adapter.build(messages, images)
-        if self.batch_engine is not None:  # every (slots x bucket) shape, timed for the cost model on the way
-            return self.batch_engine.measure_costs(prompt)
-        return self.engine.warm_up(prompt)
+        try:
+            if self.batch_engine is not None:  # every (slots x bucket) shape, timed for the cost model on the way
+                return self.batch_engine.measure_costs(prompt)
+            return self.engine.warm_up(prompt)
+        finally:
+            self.clear_prefixes()  # the warm-up prompt is no request's prefix
 
     def answer(self, messages: list[Message], images: list[Image.Image], max_new_tokens: int,
                picker: Picker | None = None) -> Generation:
         """One turn; ``picker`` is its token-choice rule (None: plain greedy)."""
         prompt, limit = self.prepare(messages, images, max_new_tokens)
-        return generate(self.engine, prompt, self.drafter, limit, picker)
+        return self.decode(prompt, limit, picker)
+
+    def decode(self, prompt: Prompt, limit: int, picker: Picker | None = None) -> Generation:
+        """Decode one prepared turn at batch 1; what it leaves in the cache is kept for reuse (``Engine.hold``)."""
+        gen = generate(self.engine, prompt, self.drafter, limit, picker)
+        gen.prompt_tokens, gen.prefix_hit = prompt.length, self.engine.hit
+        self.engine.hold(prompt, gen.tokens)
+        return gen
 
     def prepare(self, messages: list[Message], images: list[Image.Image], max_new_tokens: int) -> tuple[Prompt, int]:
-        """The prompt of one turn and the new tokens it may have."""
-        prompt = self.adapter.build(messages, images)
+        """The prompt of one turn and the new tokens it may have. Preparation threads call this together: the
+        processor runs one call at a time (a fast tokenizer reconfigured by one call while another encodes raises
+        "Already borrowed"); image decoding, before it, runs in parallel."""
+        with self._building:
+            prompt = self.adapter.build(messages, images)
         return prompt, fit_context(self.adapter, prompt, max_new_tokens)
 
-    def new_batch(self) -> Batch:
-        """Rows for ``batch`` turns in flight, drafting from this session's drafter (its persistent memory)."""
+    def new_batch(self, keeps: Callable[[Hashable], bool] | None = None) -> Batch:
+        """Rows for ``batch`` turns in flight, drafting from this session's drafter (its persistent memory);
+        ``keeps(tag)``: that turn's conversation goes on, so its cache is offered for reuse when it leaves."""
         if self.batch_engine is None:
             raise ValueError("this session decodes one request at a time (batch=1)")
-        return Batch(self.batch_engine, self.drafter, self.batch, on_step=self._count)
+        return Batch(self.batch_engine, self.drafter, self.batch, on_step=self._count, keeps=keeps)
 
     def _count(self, rows: int) -> None:
         self.steps += 1
@@ -89,7 +116,13 @@ class Session:
         return self.rows_stepped / self.steps if self.steps else None
 
     def reset_memory(self) -> None:
+        """Forget everything learned from earlier requests: the drafter's memory and the prefix cache."""
         self.drafter.reset()
+        self.clear_prefixes()
+
+    def clear_prefixes(self) -> None:
+        if self.prefixes is not None:
+            self.prefixes.clear()
 
     def save_memory(self, path: Path) -> bool:
         """Write everything that makes a later run warm (the drafter's ``state()``), atomically: a fixed temp
@@ -216,11 +249,18 @@ class GenerateSession:
         self.adapter = adapter
         self.method = method
         self.sampling = sampling.seeded()
+        self._building = threading.Lock()
 
     def answer(self, messages: list[Message], images: list[Image.Image], max_new_tokens: int,
                picker: Picker | None = None) -> Generation:
-        prompt = self.adapter.build(messages, images)
-        max_new_tokens = fit_context(self.adapter, prompt, max_new_tokens)
+        return self.decode(*self.prepare(messages, images, max_new_tokens), picker)
+
+    def prepare(self, messages: list[Message], images: list[Image.Image], max_new_tokens: int) -> tuple[Prompt, int]:
+        with self._building:  # see Session.prepare
+            prompt = self.adapter.build(messages, images)
+        return prompt, fit_context(self.adapter, prompt, max_new_tokens)
+
+    def decode(self, prompt: Prompt, max_new_tokens: int, picker: Picker | None = None) -> Generation:
         # Every setting explicit: checkpoints such as Qwen2.5-VL ship a repetition penalty in their generation
         # config, which applies only when the run's settings say so (picker None is plain greedy).
         kw = dict(max_new_tokens=max_new_tokens, **(picker.settings if picker else GREEDY).generate_kwargs())
@@ -236,7 +276,8 @@ class GenerateSession:
                                  **prompt.model_inputs, **kw)
         _sync(self.adapter.device)
         # generate() does not split prefill from decoding: its whole time is booked as decoding.
-        return Generation(tokens=out[0, prompt.length:].tolist(), verify_s=time.perf_counter() - t0)
+        return Generation(tokens=out[0, prompt.length:].tolist(), verify_s=time.perf_counter() - t0,
+                          prompt_tokens=prompt.length)
 
     def reset_memory(self) -> None:
         """generate() keeps nothing between requests."""

@@ -26,9 +26,10 @@ import torch
 from ..adapters import Adapter, Prompt
 from ..drafters import Drafter
 from ..options import DEFAULT_BATCH, default_batch  # noqa: F401 - re-exported (they live where --help reads them)
+from ..prefix_cache import Hit, PrefixCache, common_prefix
 from . import compat
 from .cost import UNKNOWN, BatchCost, RowShare, batch_width
-from .engine import Generation, accept, commit, first_token, greedy_and_rows, text_positions
+from .engine import Generation, accept, commit, first_token, greedy_and_rows, join_rows, text_positions
 from .sampling import Picker, choose
 from .tree import Rows, Source, Tree, Verified
 
@@ -39,6 +40,8 @@ class Slot:
 
     length: int
     rope_delta: int = 0
+    images: tuple[str, ...] = ()  # its prompt's image hashes and prefill rows: what an entry of its cache needs
+    rows: Rows | None = None
 
 
 class BatchEngine:
@@ -52,6 +55,8 @@ class BatchEngine:
         self.slots: list[Slot] = []
         self.per_row = 128 if self.device.type == "cuda" else 64  # the most nodes one row's tree may have
         self.cost = BatchCost(max_batch, self.per_row)
+        self.prefixes: PrefixCache | None = None  # prefix reuse across requests (off without one)
+        self.hits: list[int] = []  # prompt tokens each prompt of the last join took from ``prefixes``
 
     @property
     def width(self) -> int:
@@ -63,10 +68,132 @@ class BatchEngine:
              pickers: list[Picker | None] | None = None) -> list[tuple[int, Rows | None]]:
         """Prefill ``prompts`` together in one forward pass (right-padded), then add them as the last rows;
         each one's first token (greedy, or its picker's choice) and, if asked, its top-k rows at every text
-        position."""
-        results, cache = self._prefill(prompts, want_rows, pickers)
+        position. With ``prefixes``, prompts that start like an earlier one prefill only their suffixes
+        (``_reuse``)."""
+        if self.prefixes is None:
+            results, cache = self._prefill(prompts, want_rows, pickers)
+            self.hits = [0] * len(prompts)
+        else:
+            results, cache = self._reuse(prompts, want_rows, pickers)
         self._admit(cache, prompts)
+        for slot, prompt, (_, rows) in zip(self.slots[-len(prompts):], prompts, results):
+            slot.images, slot.rows = prompt.image_keys, rows
         return results
+
+    def _reuse(self, prompts: list[Prompt], want_rows: bool,
+               pickers: list[Picker | None] | None = None) -> tuple[list[tuple[int, Rows | None]], object]:
+        """The joint prefill with prefix reuse, in rounds: prompts with a cached prefix extend copies of it
+        (``_extend``), the others are prefilled and offer their reusable part at once. A prompt that an earlier
+        prompt of this join would serve (the same image, the same text before it) waits a round to extend that
+        one's prefix, rather than encode the image again. The new rows' cache comes out in prompt order."""
+        results: list = [None] * len(prompts)
+        pickers = pickers or [None] * len(prompts)
+        self.hits = [0] * len(prompts)
+        parts, todo = [], list(range(len(prompts)))
+        while todo:
+            found, fresh, later = {}, [], []
+            for i in todo:
+                prompt = prompts[i]
+                hit = self.prefixes.lookup(prompt.input_ids[0], prompt.image_keys, self.adapter.image_end(prompt))
+                if hit is not None:
+                    found[i] = hit
+                elif any(self._serves(prompts[j], prompt) for j in fresh):
+                    later.append(i)
+                else:
+                    fresh.append(i)
+            if fresh:
+                out, cache = self._prefill([prompts[i] for i in fresh], want_rows, [pickers[i] for i in fresh])
+                for j, i in enumerate(fresh):
+                    results[i] = out[j]
+                    end = min(self.adapter.reusable_end(prompts[i]), prompts[i].length)
+                    self.prefixes.offer(prompts[i].input_ids[0, :end], prompts[i].image_keys,
+                                        lambda j=j, end=end: compat.row_layers(cache, j, end), out[j][1])
+                parts.append((fresh, cache))
+            if found:
+                chosen = list(found)
+                out, cache = self._extend([prompts[i] for i in chosen], [found[i] for i in chosen], want_rows,
+                                          [pickers[i] for i in chosen])
+                for j, i in enumerate(chosen):
+                    results[i], self.hits[i] = out[j], found[i].length
+                parts.append((chosen, cache))
+            todo = later
+        order = [i for chosen, _ in parts for i in chosen]
+        cache = parts[0][1]
+        for _, more in parts[1:]:
+            compat.append_rows(cache, more)
+        if order != sorted(order):
+            compat.select_rows(cache, [order.index(i) for i in range(len(prompts))], max(p.length for p in prompts))
+        return results, cache
+
+    def _serves(self, first: Prompt, prompt: Prompt) -> bool:
+        """Whether ``first``'s reusable part, once prefilled and offered, would serve ``prompt``."""
+        if first.image_keys != prompt.image_keys:
+            return False
+        common = min(common_prefix(first.input_ids[0], prompt.input_ids[0]), self.adapter.reusable_end(first))
+        return self.prefixes.usable(common, prompt.length, self.adapter.image_end(prompt)) > 0
+
+    def _extend(self, prompts: list[Prompt], hits: list[Hit], want_rows: bool,
+                pickers: list[Picker | None]) -> tuple[list[tuple[int, Rows | None]], object]:
+        """Prefill each prompt's suffix over a copy of its cached prefix, all in one forward pass: row r's prefix
+        at columns 0..n_r-1, its suffix a chain of text tokens (no image token is left in it) appended after the
+        longest prefix like a step's tree, every node kept and moved next to its prefix."""
+        lengths = [h.length for h in hits]
+        cache = self.adapter.new_cache()
+        compat.load_prefixes(cache, [h.entry.layers for h in hits], lengths)
+        w, dev = max(lengths), self.device
+        chains = [p.input_ids[0, n:] for p, n in zip(prompts, lengths)]
+        sizes = [c.numel() for c in chains]
+        b, t = len(prompts), max(sizes)
+        ids = torch.stack([torch.nn.functional.pad(c, (0, t - c.numel()), value=int(c[-1])) for c in chains])
+        start = torch.tensor([n + p.rope_delta for p, n in zip(prompts, lengths)], device=dev)
+        steps = torch.arange(t, device=dev)
+        pos = start[:, None] + steps[None]
+        # Node i of row r sees row r's prefix (columns < n_r), chain nodes 0..i, itself; padding only itself.
+        real = steps[None, :] < torch.tensor(sizes, device=dev)[:, None]  # (b, t)
+        seen = torch.zeros((b, t, w + t), dtype=torch.bool, device=dev)
+        seen[:, :, :w] = (torch.arange(w, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None])[:, None]
+        seen[:, :, :w] &= real[:, :, None]
+        causal = steps[None, :] <= steps[:, None]  # (t, t): node i sees nodes j <= i
+        seen[:, :, w:] = (causal[None] & real[:, None, :] & real[:, :, None]) | torch.eye(t, dtype=torch.bool,
+                                                                                            device=dev)[None]
+        mask = torch.zeros(seen.shape, dtype=self.dtype, device=dev).masked_fill_(~seen, torch.finfo(self.dtype).min)
+        mask = self.adapter.layer_masks(mask[:, None], pos, w)
+        needed = [list(range(n)) if want_rows else [n - 1] for n in sizes]
+        keep = sorted(set().union(*needed))
+        column = {c: j for j, c in enumerate(keep)}
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                         logits_to_keep=torch.tensor(keep, device=dev), **{self._cache_kw: cache})
+        rows_of = torch.tensor([r for r, cols in enumerate(needed) for _ in cols], device=dev)
+        cols_of = torch.tensor([column[c] for cols in needed for c in cols], device=dev)
+        argmax, rows = greedy_and_rows(out.logits[rows_of, cols_of], self.top_k)
+        results, at = [], 0
+        for prompt, picker, hit, n, size, cols in zip(prompts, pickers, hits, lengths, sizes, needed):
+            last = at + len(cols) - 1  # the prompt's last token: its logits choose the first new one
+            first = argmax[last]
+            if picker is not None:  # its own rule, the prompt its whole history
+                first = first_token(out.logits[rows_of[last], cols_of[last]][None], prompt, picker, self.top_k)
+            mine = None
+            if want_rows:
+                mine = join_rows(hit.entry.rows_before(n), Rows(ids=rows.ids[at:at + size],
+                                                                probs=rows.probs[at:at + size]),
+                                 list(range(n, n + size)))
+            results.append((first, mine))
+            at += len(cols)
+        moves = [(r, w + i, n + i) for r, (n, size) in enumerate(zip(lengths, sizes)) if n < w for i in range(size)]
+        moves = [torch.tensor(x, device=dev) for x in zip(*moves)] if moves else [None] * 3
+        compat.move_paths(cache, *moves, max(n + size for n, size in zip(lengths, sizes)))
+        return results, cache
+
+    def offer_row(self, row: int, ids: list[int]) -> None:
+        """Offer row ``row``'s cache (it holds ``ids``, a turn's prompt and answer) for the next turn's reuse."""
+        if self.prefixes is None:
+            return
+        slot = self.slots[row]
+        n = min(slot.length, len(ids))
+        self.prefixes.offer(torch.tensor(ids[:n]), slot.images, lambda: self._row_layers(row, n), slot.rows)
+
+    def _row_layers(self, row: int, n: int):
+        return compat.row_layers(self.cache, row, n)
 
     def _prefill(self, prompts: list[Prompt], want_rows: bool,
                  pickers: list[Picker | None] | None = None) -> tuple[list[tuple[int, Rows | None]], object]:
@@ -288,11 +415,12 @@ class Batch:
     rows, ``step`` advances every row by one verification and returns the turns that ended (or failed)."""
 
     def __init__(self, engine: BatchEngine, drafter: Drafter, size: int,
-                 on_step: Callable[[int], None] | None = None):
+                 on_step: Callable[[int], None] | None = None, keeps: Callable[[Hashable], bool] | None = None):
         self.engine, self.drafter, self.size = engine, drafter, size
         self.eos = engine.adapter.eos_token_ids
         self.flights: list[Flight] = []
         self.on_step = on_step  # told the rows of every step (occupancy statistics)
+        self.keeps = keeps  # keeps(tag): that turn's conversation goes on; its cache is offered when it leaves
         self.pause = 1  # the rest a joining turn starts from: the last one to leave had reached it
         # Realized / guessed drafted tokens of the steps whose width the rows' last trees chose: a row's next
         # tree is not its last, and the rows whose last trees looked best are the likeliest to fall short.
@@ -338,8 +466,9 @@ class Batch:
                                   **chosen)
         prefill_s = (time.perf_counter() - t0) / len(turns)  # each turn's share of the joint prefill
         start = len(self.flights)
-        for (tag, prompt, limit, *_), picker, drafter, (first, rows) in zip(turns, pickers, drafters, firsts):
-            gen = Generation(prefill_s=prefill_s)
+        hits = self.engine.hits if len(self.engine.hits) == len(turns) else [0] * len(turns)
+        for (tag, prompt, limit, *_), picker, drafter, hit in zip(turns, pickers, drafters, hits):
+            gen = Generation(prefill_s=prefill_s, prompt_tokens=prompt.length, prefix_hit=hit)
             self.flights.append(Flight(tag, drafter, prompt.input_ids[0].tolist(), limit, gen, pause=self.pause,
                                        picker=picker))
         ended, failed = [], {}
@@ -473,6 +602,9 @@ class Batch:
         out = [(self.flights[i].tag, failed.get(i, self.flights[i].gen)) for i in rows]
         if rows:
             self.pause = self.flights[rows[-1]].pause
+        for i in rows:
+            if self.keeps is not None and i not in failed and self.keeps(self.flights[i].tag):
+                self.engine.offer_row(i, self.flights[i].context)
         self.engine.leave(rows)
         gone = set(rows)
         self.flights = [f for i, f in enumerate(self.flights) if i not in gone]

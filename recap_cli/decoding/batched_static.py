@@ -67,6 +67,12 @@ class StaticBatchEngine(BatchEngine):
         self.top = max(self.top, need)
         compat.set_length(self.cache, self.top)
 
+    def _row_layers(self, row: int, n: int):
+        """A slot's valid columns, in column order (= position order: columns are written in step order and a
+        path's nodes in depth order)."""
+        slot = self.place[row]
+        return compat.row_layers(self.cache, slot, n, self.valid[slot].nonzero().flatten())
+
     @torch.inference_mode()
     def leave(self, rows: list[int]) -> None:
         gone = set(rows)

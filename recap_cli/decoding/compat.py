@@ -207,3 +207,45 @@ def generation_defaults() -> dict:
     if known is not None:
         return dict(known())
     return {k: v for k, v in GenerationConfig().to_dict().items() if v is not None}
+
+
+# Prefix reuse (recap_cli/prefix_cache.py): one row's keys and values copied out of a live cache, and prefixes
+# written into a new one.
+
+def holds_every_position(cache) -> bool:
+    """Whether every layer of a (new) cache keeps the keys and values of every position: full-attention dynamic
+    or static layers, not sliding-window ring buffers or recurrent states."""
+    from transformers.cache_utils import DynamicLayer, StaticLayer
+
+    return all(isinstance(layer, (DynamicLayer, StaticLayer)) and not getattr(layer, "is_sliding", False)
+               for layer in cache.layers)
+
+
+def row_layers(cache, row: int, length: int, columns: torch.Tensor | None = None):
+    """Copies of row ``row``'s first ``length`` cached positions in every layer (or of its ``columns``, in that
+    order), each (kv_heads, length, head_dim); None when a layer does not hold every position (a sliding-window
+    ring buffer) or is not a key/value layer."""
+    out = []
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        if keys is None or not getattr(layer, "is_initialized", True) or getattr(layer, "is_sliding", False):
+            return None
+        if columns is not None:  # advanced indexing copies
+            out.append((layer.keys[row, :, columns[:length]], layer.values[row, :, columns[:length]]))
+        elif keys.shape[2] < length:
+            return None
+        else:
+            out.append((layer.keys[row, :, :length].clone(), layer.values[row, :, :length].clone()))
+    return out
+
+
+def load_prefixes(cache, prefixes: list, lengths: list[int]) -> None:
+    """Write row r's prefix (the first ``lengths[r]`` positions of ``prefixes[r]``, from ``row_layers``) into a
+    cache that holds nothing yet (a static one rewound to 0), the rows zero-padded to the longest: columns their
+    masks hide. The cache's length is then the longest prefix."""
+    width = max(lengths)
+    for i, layer in enumerate(cache.layers):
+        parts = [(p[i][0][:, :n], p[i][1][:, :n]) for p, n in zip(prefixes, lengths)]
+        keys = torch.stack([torch.nn.functional.pad(k, (0, 0, 0, width - k.shape[1])) for k, _ in parts])
+        values = torch.stack([torch.nn.functional.pad(v, (0, 0, 0, width - v.shape[1])) for _, v in parts])
+        layer.update(keys, values)

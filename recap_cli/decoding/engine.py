@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..adapters import Adapter, Prompt
+from ..prefix_cache import Layers, PrefixCache, common_prefix, rows_before
 from . import compat
 from .cost import SIZES, StepCost
 from .sampling import Picker, choose
@@ -49,6 +50,10 @@ class Engine:
         self.min_capacity = min_capacity  # a cache that never has to grow keeps captured graphs valid
         self.length = 0
         self.rope_delta = 0
+        self.prefixes: PrefixCache | None = None  # prefix reuse across requests (off without one)
+        self.hit = 0  # prompt tokens the last prefill took from ``prefixes``
+        self.prompt_rows: Rows | None = None  # the last prefill's rows, kept for the entry its turn leaves
+        self.held: tuple[torch.Tensor, tuple[str, ...]] | None = None  # what ``hold`` left for the next turn
         self.cost = self.new_cost()
 
     def new_cost(self) -> StepCost:
@@ -74,7 +79,11 @@ class Engine:
         """Run the prompt; return the first token (greedy, or ``picker``'s choice) and, if asked, the raw top-k
         rows at every text position.
 
-        ``reserve`` is the room a static cache keeps after the prompt (new tokens + the largest tree)."""
+        ``reserve`` is the room a static cache keeps after the prompt (new tokens + the largest tree). With
+        ``prefixes``, a prompt that starts like an earlier one prefills only its suffix (``prefill_from``)."""
+        if self.prefixes is not None and (reuse := self._reusable(prompt, reserve)) is not None:
+            return self.prefill_from(prompt, *reuse, want_rows=want_rows, reserve=reserve, picker=picker)
+        self.hit, self.prompt_rows, self.held = 0, None, None
         self._new_cache(prompt.length + reserve + max(self.buckets))
         self.rope_delta = prompt.rope_delta
         keep: int | torch.Tensor = 1
@@ -90,7 +99,79 @@ class Engine:
             return first, None
         rows = greedy_and_rows(logits, self.top_k)[1]
         rows.positions = keep.tolist()
+        self.prompt_rows = rows
         return first, rows
+
+    def _reusable(self, prompt: Prompt, reserve: int) -> tuple[int, Layers | None, Rows | None] | None:
+        """The longest prefix of ``prompt`` already computed: in this cache, if it holds the turn before this one
+        of the same conversation (``hold``), or in ``prefixes``; (tokens, a copy to load or None, their rows)."""
+        held, self.held = self.held, None
+        hit = self.prefixes.lookup(prompt.input_ids[0], prompt.image_keys, self.adapter.image_end(prompt))
+        best = hit.length if hit is not None else 0
+        if held is not None and held[1] == prompt.image_keys:
+            n = self.prefixes.usable(common_prefix(held[0], prompt.input_ids[0].cpu()), prompt.length,
+                                     self.adapter.image_end(prompt))
+            if n > best:
+                rows = rows_before(self.prompt_rows, n)
+                if not self.static or self.capacity >= self._room(prompt.length, reserve):
+                    return n, None, rows
+                return n, compat.row_layers(self.cache, 0, n), rows  # a static cache too small: copied over
+        return (best, hit.entry.layers, hit.entry.rows_before(best)) if hit is not None else None
+
+    @torch.inference_mode()
+    def prefill_from(self, prompt: Prompt, n: int, prefix: Layers | None, rows: Rows | None, want_rows: bool = False,
+                     reserve: int = 256, picker: Picker | None = None) -> tuple[int, Rows | None]:
+        """``prefill`` over the keys and values of the prompt's first ``n`` tokens, already computed: ``prefix``
+        (a copy, loaded into a new cache), or the first ``n`` positions of this cache (``prefix`` None). Only the
+        suffix runs, as a chain of text tokens (no image token is left in it) at positions n.. (+ the rope
+        delta), each seeing the prefix and the tokens before it; ``rows``, the prefix's stored prefill rows,
+        and the suffix's make the rows a full prefill gives."""
+        total = prompt.length
+        if prefix is None:
+            compat.keep_rows(self.cache, n, None, n)
+        else:
+            self._new_cache(self._room(total, reserve))
+            compat.load_prefixes(self.cache, [prefix], [n])
+        self.rope_delta, self.length = prompt.rope_delta, n
+        ids = prompt.input_ids[:, n:]
+        pos = torch.arange(n, total, device=self.device)[None] + self.rope_delta
+        mask = self.adapter.layer_masks(self._chain_mask(total - n), pos, n)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                         logits_to_keep=0 if want_rows else 1, **{self._cache_kw: self.cache})
+        self.length, self.hit, self.prompt_rows = total, n, None
+        logits = out.logits[0]
+        first = int(logits[-1].argmax()) if picker is None else first_token(logits[-1:], prompt, picker, self.top_k)
+        if not want_rows:
+            return first, None
+        self.prompt_rows = join_rows(rows, greedy_and_rows(logits, self.top_k)[1], list(range(n, total)))
+        return first, self.prompt_rows
+
+    def _room(self, length: int, reserve: int) -> int:
+        return length + reserve + max(self.buckets)
+
+    def hold(self, prompt: Prompt, tokens: list[int]) -> None:
+        """After a turn: the cache holds its prompt and answer, which the conversation's next turn starts with;
+        the next ``prefill`` reuses them in place when its prompt does. Then offer the prompt's reusable part
+        to ``prefixes`` for later requests."""
+        if self.prefixes is None:
+            return
+        ids = prompt.input_ids[0].cpu()
+        ids = torch.cat([ids, torch.tensor(tokens, dtype=ids.dtype)])[:self.length]
+        self.held = (ids, prompt.image_keys)
+        n = min(self.length, self.adapter.reusable_end(prompt))
+        self.prefixes.offer(ids[:n], prompt.image_keys, lambda: compat.row_layers(self.cache, 0, n),
+                            self.prompt_rows)
+
+    def _chain_mask(self, t: int) -> torch.Tensor:
+        """Additive (1, 1, t, P+t) mask of t tokens appended in order: each sees the prefix, the tokens before
+        it and itself (over a static cache the mask spans its capacity)."""
+        p = self.length
+        width = self.capacity if self.static else p + t
+        mask = torch.full((t, width), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
+        mask[:, :p] = 0.0
+        mask[:, p:p + t] = torch.full((t, t), torch.finfo(self.dtype).min, dtype=self.dtype,
+                                      device=self.device).triu(1)
+        return mask[None, None]
 
     @torch.inference_mode()
     def verify(self, tree: Tree, picker: Picker | None = None) -> Verified:
@@ -222,6 +303,14 @@ def accept(tree: Tree, argmax: list[int]) -> list[int]:
     return path
 
 
+def join_rows(prefix: Rows | None, suffix: Rows, positions: list[int]) -> Rows:
+    """A prefix's stored prefill rows followed by the rows of a suffix at ``positions``."""
+    if prefix is None or not prefix.positions:
+        return Rows(ids=suffix.ids, probs=suffix.probs, positions=positions)
+    return Rows(ids=torch.cat([prefix.ids, suffix.ids]), probs=torch.cat([prefix.probs, suffix.probs]),
+                positions=prefix.positions + positions)
+
+
 def text_positions(ids: torch.Tensor, image_token: int | None) -> torch.Tensor:
     """Prompt positions that hold text: the rows at image placeholders are keys no drafter meets again."""
     if image_token is None:
@@ -241,6 +330,8 @@ class Generation:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    prompt_tokens: int = 0
+    prefix_hit: int = 0  # prompt tokens taken from the prefix cache instead of prefilled
 
     @property
     def decode_s(self) -> float:

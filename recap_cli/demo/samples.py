@@ -67,10 +67,28 @@ def quick_start(root: Path, n: int = 18) -> None:
     _write_jsonl(base / "truth" / "requests.jsonl", [truth for _, truth in entries])
 
 
+GROUPED_PER_IMAGE = 5  # questions per image in the grouped VQA set (VQAv2 asks ~5.4 per image)
+
+
+def grouped_questions(scene: world.Scene, rng: random.Random, n: int = GROUPED_PER_IMAGE) -> list[world.QA]:
+    """Up to ``n`` distinct questions about one scene (captions left out), as a VQA set asks them: several
+    subjects and wordings, gathered from repeated draws (each draw words every question one way)."""
+    found: dict[str, world.QA] = {}
+    for _ in range(50):
+        for qa in world.questions(scene, rng)[1:]:
+            found.setdefault(qa.question, qa)
+    picked = list(found.values())
+    rng.shuffle(picked)
+    return picked[:n]
+
+
 def bench_sets(base: Path, n: int = 24, seed: str = "bench") -> None:
-    """Demo-world captioning, VQA and multi-turn sets (one ``dataset`` each), n images, in ``base``."""
-    rng = random.Random(seed)
-    sets: dict[str, list[tuple[dict, dict]]] = {"demo_caption": [], "demo_vqa": [], "demo_multiturn": []}
+    """Demo-world captioning, VQA and multi-turn sets (one ``dataset`` each), n images, in ``base``; and a VQA set
+    grouped as VQA datasets ship them: several questions about each image, one line each, consecutive (its
+    questions come from a stream of their own, so the other sets stay as they were)."""
+    rng, grouped_rng = random.Random(seed), random.Random(f"{seed}-grouped")
+    sets: dict[str, list[tuple[dict, dict]]] = {"demo_caption": [], "demo_vqa": [], "demo_multiturn": [],
+                                                "demo_vqa_grouped": []}
     for i in range(n):
         scene = world.sample_scene(rng, world.KINDS[i % 3])
         name = f"demo-{i + 1:02d}"
@@ -81,6 +99,8 @@ def bench_sets(base: Path, n: int = 24, seed: str = "bench") -> None:
         sets["demo_vqa"].append(_entry(f"vqa-{name}", image, [rng.choice(qas[1:])], "demo_vqa"))
         turns = rng.sample(qas, min(3, len(qas)))
         sets["demo_multiturn"].append(_entry(f"chat-{name}", image, turns, "demo_multiturn"))
+        for k, qa in enumerate(grouped_questions(scene, grouped_rng)):
+            sets["demo_vqa_grouped"].append(_entry(f"gvqa-{name}-{k + 1}", image, [qa], "demo_vqa_grouped"))
     for name, entries in sets.items():
         _write_jsonl(base / f"{name}.jsonl", [row for row, _ in entries])
         _write_jsonl(base / "truth" / f"{name}.jsonl", [truth for _, truth in entries])
