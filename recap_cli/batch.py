@@ -283,9 +283,13 @@ class InFlight:
 
     def _resume(self, seq: int, result: Generation | Exception | None) -> None:
         """Hand a request its turn's result; its next turn (or its record) is prepared off this thread."""
+        last = result is not None and seq not in self.more
         self.more.discard(seq)
         if isinstance(result, Exception):  # a request's failure is its record's, never the batch's
             self.done[seq] = self.chats.pop(seq).failed(result)
+            return
+        if last:  # the record (text and counts, cheap) is made here: it is out before the next step can fail
+            self.done[seq] = self.chats.pop(seq).advance(result)
             return
         self.preparing[seq] = self.preparer.submit(self.chats[seq].advance, result)
 

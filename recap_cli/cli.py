@@ -484,7 +484,9 @@ def _settings(adapter, decoding: dict) -> Settings:
         settings = sampling.resolve(getattr(adapter.model, "generation_config", None), **decoding)
     except ValueError as exc:
         fail(str(exc))
-    info(f"decoding: {sampling.sentence(settings)}")
+    words = sampling.sentence(settings)
+    if words != "greedy":  # plain greedy is what a reader expects: only a departure from it earns a line
+        info(f"decoding: {words}")
     return settings
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import orjson
 import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
+from recap_cli import batch as batch_module
 from recap_cli import cli
 from recap_cli.decoding.batched import Batch
 from recap_cli.session import Session
@@ -144,6 +147,13 @@ def test_ctrl_c_keeps_the_output_valid(model_dirs, workdir, monkeypatch, batch):
         return real(*args, **kw)
 
     monkeypatch.setattr(*target, interrupt_second)
+    make_record = batch_module.result_record
+
+    def slow_record(*args, **kw):  # a busy machine: a finished request's record must still be out before a step
+        time.sleep(0.3)
+        return make_record(*args, **kw)
+
+    monkeypatch.setattr(batch_module, "result_record", slow_record)
     r = invoke(["run", path, "--model", model_dirs["text"], "-o", out, "--max-new-tokens", 8, "--batch", batch])
     assert r.exit_code == 130 and "interrupted" in r.stderr
     assert [x["id"] for x in lines(out.read_text())] == [0]

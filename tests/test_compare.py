@@ -81,8 +81,13 @@ class FakeSession:
         self.adapter = FakeAdapter()
         self.resets = 0
 
-    def answer(self, messages, images, max_new_tokens):
-        q = messages[-1]["content"]
+    def prepare(self, messages, images, max_new_tokens):
+        return messages[-1]["content"], max_new_tokens
+
+    def answer(self, messages, images, max_new_tokens, picker=None):
+        return self.decode(*self.prepare(messages, images, max_new_tokens), picker)
+
+    def decode(self, q, max_new_tokens, picker=None):
         self.log.append((self.method, q))
         tokens = [1, 2, 3, 4] if q not in self.wrong_on else [1, 2, 9, 4]
         steps = 3 if self.method == "ar" else 1
@@ -185,15 +190,15 @@ def test_compare_cli_names_a_failed_input_exits_1_and_scores_the_baseline_1_with
         model_dirs, tmp_path, monkeypatch):
     real = comparison.make_session
 
-    def make(adapter, spec, batch=1):  # recap fails on one input that ar answers
-        session = real(adapter, spec, batch)
+    def make(adapter, spec, *args, **kwargs):  # recap fails on one input that ar answers
+        session = real(adapter, spec, *args, **kwargs)
         if spec == "recap":
             answer = session.answer
 
-            def failing(messages, images, n):
+            def failing(messages, images, n, *args, **kwargs):
                 if "boom" in str(messages[-1]["content"]):
                     raise RuntimeError("out of memory (injected)\nsecond line")
-                return answer(messages, images, n)
+                return answer(messages, images, n, *args, **kwargs)
 
             session.answer = failing
         return session
