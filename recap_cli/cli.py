@@ -103,6 +103,19 @@ def _size(n: int | None) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
+# The decoding settings, the same on `run` and `compare` (docs/sampling.md).
+TEMPERATURE = typer.Option(None, help="sample at this temperature (0: greedy) [default: the model's generation "
+                           "config, else greedy]")
+TOP_P = typer.Option(None, help="sample from the smallest set of tokens holding this much probability")
+TOP_K = typer.Option(None, help="sample from the k most likely tokens (0: all; 1: greedy)")
+REPETITION_PENALTY = typer.Option(None, help="divide the scores of tokens already in the prompt or answer by this "
+                                  "(1: off)")
+SEED = typer.Option(None, help="seed of the sampled tokens: the same seed gives the same tokens with every method "
+                    "and batch size [default: drawn, written to the records]")
+GENERATION_CONFIG = typer.Option("model", help="model: start from the model's generation config, as "
+                                 "model.generate() does; greedy: from plain greedy decoding")
+
+
 @app.command()
 @_interruptible
 def run(
@@ -145,17 +158,12 @@ def run(
     workers: int = typer.Option(1, min=1, help="--ray: sessions answering in parallel, one model each"),
     gpus_per_worker: float = typer.Option(0.0, min=0, help="--ray: GPUs each worker reserves"),
     cpus_per_worker: float = typer.Option(1.0, min=0, help="--ray: CPUs each worker reserves"),
-    temperature: Optional[float] = typer.Option(None, help="sample at this temperature (0: greedy) [default: the "
-                                                "model's generation config, else greedy]"),
-    top_p: Optional[float] = typer.Option(None, help="sample from the smallest set of tokens holding this much "
-                                          "probability"),
-    top_k: Optional[int] = typer.Option(None, help="sample from the k most likely tokens (0: all; 1: greedy)"),
-    repetition_penalty: Optional[float] = typer.Option(None, help="divide the scores of tokens already in the "
-                                                       "prompt or answer by this (1: off)"),
-    seed: Optional[int] = typer.Option(None, help="seed of the sampled tokens: the same seed gives the same tokens "
-                                       "with every method and batch size [default: drawn, written to the records]"),
-    generation_config: str = typer.Option("model", help="model: start from the model's generation config, as "
-                                          "model.generate() does; greedy: from plain greedy decoding"),
+    temperature: Optional[float] = TEMPERATURE,
+    top_p: Optional[float] = TOP_P,
+    top_k: Optional[int] = TOP_K,
+    repetition_penalty: Optional[float] = REPETITION_PENALTY,
+    seed: Optional[int] = SEED,
+    generation_config: str = GENERATION_CONFIG,
     prefix_cache: Optional[int] = typer.Option(None, "--prefix-cache", min=0, help="MB of prefill results kept "
                                                "for reuse: a prompt that starts like an earlier one (same image, "
                                                "same text before its question; a conversation's next turn) "
@@ -319,17 +327,12 @@ def compare(
                                "tables and errors still print)"),
     allow_failures: bool = typer.Option(False, help="exit 0 even when a method failed on inputs another answered "
                                         "(the failures are still named on stderr)"),
-    temperature: Optional[float] = typer.Option(None, help="sample at this temperature (0: greedy) [default: the "
-                                                "model's generation config, else greedy]"),
-    top_p: Optional[float] = typer.Option(None, help="sample from the smallest set of tokens holding this much "
-                                          "probability"),
-    top_k: Optional[int] = typer.Option(None, help="sample from the k most likely tokens (0: all; 1: greedy)"),
-    repetition_penalty: Optional[float] = typer.Option(None, help="divide the scores of tokens already in the "
-                                                       "prompt or answer by this (1: off)"),
-    seed: Optional[int] = typer.Option(None, help="seed of the sampled tokens: the same seed gives the same tokens "
-                                       "with every method and batch size [default: drawn, written to the records]"),
-    generation_config: str = typer.Option("model", help="model: start from the model's generation config, as "
-                                          "model.generate() does; greedy: from plain greedy decoding"),
+    temperature: Optional[float] = TEMPERATURE,
+    top_p: Optional[float] = TOP_P,
+    top_k: Optional[int] = TOP_K,
+    repetition_penalty: Optional[float] = REPETITION_PENALTY,
+    seed: Optional[int] = SEED,
+    generation_config: str = GENERATION_CONFIG,
     prefix_cache: Optional[int] = typer.Option(None, "--prefix-cache", min=0, help="MB of prefill results every "
                                                "method keeps for reuse (0: off; a method's own: ar:prefix=0) "
                                                "[default: as recap run]"),
