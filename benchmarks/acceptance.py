@@ -48,7 +48,7 @@ VARIANTS = {
 }
 
 
-# Compiled static-cache step costs at Vicuna-7B shapes on an H200 (shared/DESIGN.md section 3; 32 interpolated):
+# Compiled static-cache step costs at Vicuna-7B shapes on an H200 (measured; 32 interpolated):
 # with --costs h200, trees are sized as on that GPU, so tokens/step and nodes/step are what it would see.
 H200_BUCKETS = (1, 16, 32, 64, 128)
 H200_STEP_S = (5.7e-3, 7.6e-3, 7.9e-3, 8.2e-3, 8.2e-3)
@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=12, help="requests per input file")
     ap.add_argument("--json", type=Path, default=Path("runs/acceptance.json"))
     ap.add_argument("--costs", choices=("measured", "h200"), default="measured",
-                    help="step costs that size auto trees: this machine's, or an H200's (DESIGN.md section 3)")
+                    help="step costs that size auto trees: this machine's, or an H200's (measured at 7B shapes)")
     args = ap.parse_args()
     if args.model is None:
         from smollm2 import prepare

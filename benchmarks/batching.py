@@ -18,7 +18,7 @@ listed, never hidden).
         sample_inputs/bench/demo_multiturn.jsonl
 
 ``--costs h200`` sizes every tree with the step costs projected for Qwen2.5-VL-7B on an H200 instead of this
-machine's (eager steps, shared/DESIGN.md section 3, frozen) and reports projected decoding throughput: emitted
+machine's (eager steps measured on an H200 at 7B shapes, frozen) and reports projected decoding throughput: emitted
 tokens over the modelled step times plus this machine's drafting time (prefill left out). Acceptance is a
 property of the drafts, not of the clock, so tokens per step are what that GPU would see.
 """
@@ -51,7 +51,7 @@ def requests(paths: list[Path], limit: int | None) -> list:
 
 
 # Projected eager step on an H200 at the Qwen2.5-VL-7B shape: launch-bound, 21-26 ms for 1 to 128 tokens
-# (measured, DESIGN.md section 3); beyond, compute at ~2 x 7.6e9 FLOP per token and ~700 TFLOP/s (projected).
+# (measured on an H200); beyond, compute at ~2 x 7.6e9 FLOP per token and ~700 TFLOP/s (projected).
 H200_EAGER_S, H200_PER_TOKEN_S = 23e-3, 2 * 7.6e9 / 700e12
 
 

@@ -12,7 +12,7 @@ Runs ``recap`` over the demo bench sets once to fill its memories, recording eve
 half; then replays those calls (same trees, the memories as they were) ``--reps`` times and reports the median
 per-step time of each part. Replaying the recorded calls times the host's work alone: the model runs once, so
 the figures do not depend on how busy the machine's cores are with the forward passes. Everything the host does
-between two forwards counts against the step (DESIGN.md section 6: budget <= 0.4 ms at 64 nodes).
+between two forwards counts against the step (the design budget: at most 0.4 ms at 64 nodes).
 """
 
 from __future__ import annotations

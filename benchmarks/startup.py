@@ -58,7 +58,7 @@ def main() -> None:
         for c, a in COMMANDS.items():
             for t in (trees if r % 2 == 0 else trees[::-1]):
                 times[t, c].append(once(t, a)[0])
-    print(f"| checkout | command | median s | min–max s | imports torch/transformers |\n|---|---|---:|---:|---|")
+    print("| checkout | command | median s | min–max s | imports torch/transformers |\n|---|---|---:|---:|---|")
     result = []
     for t in trees:
         for c in COMMANDS:

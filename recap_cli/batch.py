@@ -282,7 +282,8 @@ class InFlight:
         self._resume(seq, None)
 
     def _resume(self, seq: int, result: Generation | Exception | None) -> None:
-        """Hand a request its turn's result; its next turn (or its record) is prepared off this thread."""
+        """Hand a request its turn's result: its next turn is prepared off this thread; after its last turn its
+        record is made here, so that nothing finished can be lost to an interrupt before the loop collects it."""
         last = result is not None and seq not in self.more
         self.more.discard(seq)
         if isinstance(result, Exception):  # a request's failure is its record's, never the batch's
