@@ -42,7 +42,7 @@ from .test_families import FAMILIES
 
 QUESTIONS = ["Describe the picture in one sentence, please.", "What colour is the square?"]
 TREES = [(1, 0.0), (16, 0.9), (64, 0.6), (33, 0.8), (64, 0.95)]
-METHODS = ("ar", "recap", "tr", "pld")
+METHODS = ("ar", "recap", "tr", "pld", "suffix")
 SAMPLED = Settings(do_sample=True, temperature=0.7, top_p=0.9, top_k=20, seed=1234)
 # The real Qwen2.5-VL-7B-Instruct generation_config.json (besides token ids): sampling with top_k 1 is greedy.
 QWEN_CONFIG = dict(do_sample=True, repetition_penalty=1.05, temperature=0.1, top_p=0.001, top_k=1)
