@@ -74,6 +74,9 @@ class CtrlC:
         return None
 
 sys.meta_path.insert(0, CtrlC())
+# Ctrl-C as a terminal's foreground process gets it: a job started in the background (`cmd &` in a script)
+# inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.argv = ["recap", *sys.argv[1:]]
 from recap_cli.__main__ import main
 main()
