@@ -151,6 +151,59 @@ def test_a_frozen_model_never_probes():
     assert cost(16) == 1.0 and cost.probe() is None
 
 
+
+def paced(rate: float) -> StepCost:
+    """CPU-like costs and a run known to emit ``rate`` tokens per second (of those costs)."""
+    cost = StepCost(SIZES)
+    cost.set([cpu_like(n) for n in SIZES])
+    for _ in range(cost.pace.warm):
+        cost.pace.observe(1, 1 / rate)  # two averages of constants from zero: their ratio is exactly the rate
+    assert cost.pace.rate == pytest.approx(rate)
+    return cost
+
+
+def best_by(chances: list[float], value) -> int:
+    """The size (root included) that ``value(expected tokens, seconds)`` ranks first, by brute force."""
+    sizes = range(1, len(chances) + 2)
+    return max(sizes, key=lambda n: (value(1 + sum(chances[:n - 1]), cpu_like(n)), -n))
+
+
+@pytest.mark.parametrize("rate, chances, more", [
+    (150.0, [0.25], False),  # a poor step in a good run: the node the step's own ratio buys is not worth it
+    (80.0, [0.9, 0.8, 0.7, 0.6, 0.5] + [0.03] * 8, True),  # a rich step in a poor run: cheap nodes are
+])
+def test_paced_sizes_maximise_the_runs_throughput(rate, chances, more):
+    """With the run's rate known, a tree is cut where a node adds fewer tokens than the run earns in the time it
+    costs (E(n) - rate * T(n)), not where it stops raising the step's own tokens per second."""
+    by_rate = best_by(chances, lambda e, t: e - rate * t)
+    by_ratio = best_by(chances, lambda e, t: e / t)
+    assert (by_rate > by_ratio) if more else (by_rate < by_ratio)
+    assert grow(paced(rate), chances) == by_rate
+    assert grow(StepCost(SIZES), chances) == 1  # nothing timed, no rate: the root alone
+    unpaced = paced(rate)
+    sizer = unpaced.chooser(paced=False)
+    for c in chances:
+        if not sizer.worth_growing(c):
+            break
+        sizer.place(c)
+    assert sizer.size == by_ratio
+
+
+def test_the_pace_is_in_the_cost_models_own_units():
+    """A cost model uniformly off by a factor (a start-up taken on a busy machine) prices the run's steps off by
+    the same factor, so it sizes trees as a right one would."""
+    right, slow = StepCost(SIZES), StepCost(SIZES)
+    right.set([cpu_like(n) for n in SIZES])
+    slow.set([20 * cpu_like(n) for n in SIZES])
+    assert right.pace.rate is None
+    for tokens, nodes in [(3, 8), (1, 1), (2, 4), (4, 16)] * 3:
+        right.observe_yield(tokens, nodes)
+        slow.observe_yield(tokens, nodes)
+    assert slow.pace.rate == pytest.approx(right.pace.rate / 20)
+    for chances in ([0.3, 0.1], [0.9, 0.8, 0.7, 0.6, 0.5] + [0.03] * 8, GOOD):
+        assert grow(slow, chances) == grow(right, chances)
+
+
 # --- on a model: every engine ---------------------------------------------------------------------------------
 
 QUESTIONS = ["What colour is the square?", "Describe the picture in one sentence, please.", "hi",

@@ -3,8 +3,10 @@
 A step that verifies n tokens emits, in expectation, E(n) = 1 + sum of its draft nodes' path chances (the bonus
 token is always emitted; a node adds a token exactly when its whole path is accepted). It takes T(n) = the
 forward pass for n tokens + the host's drafting work for n nodes. Drafters grow trees best-first and keep the
-size that maximises E(n) / T(n); n = 1 (the root alone: a plain greedy step) is always a candidate, so where
-nothing is predictable a step costs what an ``ar`` step costs.
+size that maximises E(n) - rate * T(n), ``rate`` being the tokens per second the run achieves (``Pace``: what
+maximises the run's throughput, not the step's own), or E(n) / T(n) until that rate is known; n = 1 (the root
+alone: a plain greedy step) is always a candidate, so where nothing is predictable a step costs what an ``ar``
+step costs.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class StepCost:
         self.seconds: list[float] | None = None  # per grid size (timed, observed or inferred); None until any is
         self.known = [False] * len(self.sizes)  # timed or observed, not inferred
         self.host_per_node = 0.0  # drafting work (propose + observe) per tree node, seconds
+        self.pace = Pace()  # tokens per second the run achieves: what a step's marginal node must beat
         self.probes = Probes(self.sizes, self.buckets is not None) if probes else None
         self.probing = False  # the step being drafted is a probe (set by ``chooser``)
         self.templates: Callable[[], list[list[float]]] | None = None  # neighbours' shapes (``BatchCost``)
@@ -110,15 +113,16 @@ class StepCost:
     def frozen(self) -> bool:
         return self.alpha == 0
 
-    def chooser(self) -> "SizeChooser":
+    def chooser(self, paced: bool = True) -> "SizeChooser":
         """A fresh stop rule for one tree's best-first growth (one request per step: batch 1). When a probe is
-        due, the tree may grow up to the probe's size as if its nodes cost nothing."""
+        due, the tree may grow up to the probe's size as if its nodes cost nothing. ``paced``: sized against
+        the run's own rate (``Pace``) once it is known, else by the step's own tokens per second."""
         rung = self.probe()
         if rung is not None:
             self.probing = True
             first = self.table()[1]
             return SizeChooser([0.0] + [first if first < UNKNOWN else 1.0] * rung, rung)
-        return SizeChooser(self.table(), self.max_tokens)
+        return SizeChooser(self.table(), self.max_tokens, rate=self.pace.rate if paced else None)
 
     def best_size(self, chances: Sequence[float]) -> int:
         return best_size(chances, self.chooser())
@@ -190,6 +194,13 @@ class StepCost:
         """Drafting time of one step (propose + observe) for a tree of ``nodes`` nodes."""
         if nodes > 0:
             self.host_per_node += 0.1 * (seconds / nodes - self.host_per_node)
+
+    def observe_yield(self, tokens: int, nodes: int) -> None:
+        """A step of ``nodes`` nodes emitted ``tokens``: the run's rate, priced at what the model says such a step
+        costs (its own units: a cost model uniformly off by a factor still sizes trees as a right one would)."""
+        seconds = self.table()[min(nodes, self.max_tokens)]
+        if 0 < seconds < UNKNOWN:
+            self.pace.observe(tokens, seconds)
 
     def __call__(self, tokens: int) -> float:
         """Forward-pass seconds for a step of ``tokens`` tokens (the root included; at most ``max_tokens``);
@@ -419,7 +430,9 @@ class RowShare:
         floor = forward[width] if forward[width] < UNKNOWN else forward[1]  # a probe's width may be untimed
         return ShareTable(forward, width, floor, self.cost.host_per_node, self.other_nodes)
 
-    def chooser(self) -> SizeChooser:
+    def chooser(self, paced: bool = True) -> SizeChooser:
+        """Sized by the step's own rate: with every other row's tokens in ``base`` that is already about the
+        run's rate (``Pace``), so ``paced`` changes nothing here."""
         self._chooser = SizeChooser(self.table(), self.max_tokens, base=self.base)
         return self._chooser
 
@@ -484,6 +497,33 @@ class ShareTable:
         return forward + self.h * (self.others + n)
 
 
+class Pace:
+    """The run's decoding rate, tokens emitted per second of steps (drafting included) over its recent steps,
+    each step priced by the cost model.
+
+    The rate that sizes trees best: a run's throughput is (sum of tokens) / (sum of seconds) over its steps, and
+    a step's choice maximises it when it maximises E(n) - rate * T(n) at the best achievable rate (the
+    renewal-reward argument; iterating on the achieved rate converges to it, as in Dinkelbach's method). The
+    step's own ratio E(n) / T(n) over-buys where the step is poor (its rate is below the run's: it grows nodes
+    worth less than the run earns per second) and under-buys where it is rich.
+    """
+
+    def __init__(self, decay: float = 0.02, warm: int = 8):
+        self.decay, self.warm = decay, warm
+        self.tokens = self.seconds = 0.0
+        self.steps = 0
+
+    @property
+    def rate(self) -> float | None:
+        """Tokens per second, None until ``warm`` steps were seen."""
+        return self.tokens / self.seconds if self.steps >= self.warm and self.seconds > 0 else None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.steps += 1
+        self.tokens += self.decay * (tokens - self.tokens)
+        self.seconds += self.decay * (seconds - self.seconds)
+
+
 class SizeChooser:
     """Best-first growth with a stop: feed the path chance of each node as it is placed (non-increasing, as
     best-first growth on chances <= 1 places them); ``size`` is the tree size (root included) with the best
@@ -498,11 +538,13 @@ class SizeChooser:
     is still searched one bucket beyond the best.
     """
 
-    def __init__(self, table: Sequence[float], limit: int, grid: Sequence[int] = SIZES, base: float = 0.0):
+    def __init__(self, table: Sequence[float], limit: int, grid: Sequence[int] = SIZES, base: float = 0.0,
+                 rate: float | None = None):
         self.t = table
         self.limit = min(limit, len(table) - 1)
+        self.rate = rate  # with a rate, sizes are ranked by E(n) - rate * T(n) (``Pace``), else by E(n) / T(n)
         self.n, self.expected = 1, 1.0 + base  # ``base``: tokens the step's other rows are expected to emit
-        self.size, self.best = 1, self.expected / table[1]
+        self.size, self.best = 1, self._value(self.expected, table[1])
         self.best_expected = self.expected
         self.grid = _checkpoints(self.limit, tuple(grid))
         self.chances: list[float] = []  # of the nodes placed, in order
@@ -512,9 +554,12 @@ class SizeChooser:
         self.n += 1
         self.expected += chance
         self.chances.append(chance)
-        rate = self.expected / self.t[self.n]
-        if rate > self.best:
-            self.size, self.best, self.best_expected = self.n, rate, self.expected
+        value = self._value(self.expected, self.t[self.n])
+        if value > self.best:
+            self.size, self.best, self.best_expected = self.n, value, self.expected
+
+    def _value(self, expected: float, seconds: float) -> float:
+        return expected / seconds if self.rate is None else expected - self.rate * seconds
 
     def worth_growing(self, next_chance: float) -> bool:
         n, t, e = self.n, self.t, self.expected
@@ -523,7 +568,7 @@ class SizeChooser:
             return False
         a = n
         for b in self.grid[bisect.bisect_right(self.grid, n):]:
-            if (e + (b - n) * next_chance) / t[a + 1] > self.best:
+            if self._value(e + (b - n) * next_chance, t[a + 1]) > self.best:
                 self.stopped = False
                 return True
             a = b

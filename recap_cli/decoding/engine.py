@@ -378,6 +378,7 @@ def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int, picke
         gen.draft_s += draft_s
         gen.verify_s += t3 - t2
         added, done = commit(gen, tree, verified, eos, max_new_tokens)
+        engine.cost.observe_yield(len(added), len(tree))
         context.extend(added)
         if picker is not None:
             picker.extend(added)

@@ -20,8 +20,9 @@ come from the stream memory (recap_cli/drafters/stream.py): exact matches of up 
 in the stream's text (this request's and earlier requests' prompts and answers), each continuation with the
 share of the match's occurrences it followed; its chance is learned per match length, rank and share.
 
-The tree's size comes from what a step costs (``budget="auto"``, the default): growth stops where expected tokens
-per second (recap_cli/decoding/cost.py) can no longer rise, down to the root alone.
+The tree's size comes from what a step costs (``budget="auto"``, the default): growth stops where no bigger tree
+can add more expected tokens than the run earns in the time it costs (recap_cli/decoding/cost.py; ``paced=False``:
+where the step's own expected tokens per second can no longer rise, the ablation), down to the root alone.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class RecapDrafter(Drafter):
                  mixing: str = "confidence", weights: tuple[float, ...] = CONFIDENCE_WEIGHTS, suffix: bool = True,
                  suffix_len: int = 10, stream_depth: int = 16, stream_requests: int = 1000,
                  budget: int | str = "auto", depth: int = 8, width: int = 8, top_k: int = 8, cap: int = 1 << 16,
-                 calibrate: bool = True, depths: int = 3):
+                 calibrate: bool = True, depths: int = 3, paced: bool = True):
         if mixing not in ("confidence", "fixed"):
             raise ValueError("mixing is 'confidence' or 'fixed'")
         if budget != "auto" and not (isinstance(budget, int) and budget >= 0):
@@ -75,6 +76,7 @@ class RecapDrafter(Drafter):
         self.budget, self.depth, self.width, self.top_k = budget, depth, min(width, top_k), top_k
         self.banned = frozenset(banned)
         self.cap = cap
+        self.paced = paced
         self.vocab_size = vocab_size
         self.order1 = TokenTable(vocab_size)
         self.calibration = Calibration(self.width, depths=depths) if calibrate else None
@@ -383,7 +385,7 @@ class RecapDrafter(Drafter):
             raw = stream_chance(m, -negc0[0] / total0, 0)
             frontier.append((-mapped(3, raw), 0, STREAM, 3, raw))
             heapq.heapify(frontier)
-        sizer = self.cost.chooser() if self.wants_costs else None
+        sizer = self.cost.chooser(self.paced) if self.wants_costs else None
         budget = self.budget
         push, pop = heapq.heappush, heapq.heappop
         while frontier:
