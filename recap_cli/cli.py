@@ -422,13 +422,14 @@ def _name_failures(failed: dict[str, list[Measurement]], uneven: dict[str, int],
 def _loaded(model: str, offline: bool, **how):
     """The model's adapter, downloaded first when the cache lacks it (huggingface_hub's bars on a terminal),
     then loaded as a progress stage."""
-    from .models import ModelError, load, locate
+    from .models import ModelError, freeze_loaded, load, locate
 
     try:
         path = locate(model, offline=offline, progress=err.is_terminal and not _quiet, notify=info)
         with _progress(None) as progress:
             stage = progress.add_task(f"loading {model}", total=None)
             adapter = load(path, **how)
+            freeze_loaded()
             progress.update(stage, total=1, completed=1)
         return adapter
     except ModelError as exc:

@@ -231,7 +231,7 @@ class Worker:
     """One recap session in one Ray actor: the model is loaded once, the session lives as long as the actor."""
 
     def __init__(self, job: Job, collector):
-        from .models import ModelError, load
+        from .models import ModelError, freeze_loaded, load
         from .session import start_session
 
         self.job, self.collector = job, collector
@@ -239,6 +239,7 @@ class Worker:
         self.done = 0
         try:
             adapter = load(job.model, device=job.device, dtype=job.dtype, attn=job.attn)
+            freeze_loaded()
             batch = job.batch or default_batch(adapter.device.type)
             compiled = job.compile == "on" or (job.compile == "auto" and batch == 1 and adapter.device.type == "cuda")
             settings = resolve(adapter.model.generation_config, **job.decoding) if job.decoding else GREEDY

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -16,6 +17,14 @@ from recap_cli.tiny_models import (build_tiny_gemma3, build_tiny_idefics3, build
 from recap_cli.decoding.tree import Source, Tree
 
 torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _collector_sees_everything_again():
+    """The commands take what is alive after loading out of the garbage collector's scans (freeze_loaded); many
+    commands run in this one process, so each test gives the collector everything back when it ends."""
+    yield
+    gc.unfreeze()
 
 BUILDERS = {"qwen": build_tiny_qwen2_5_vl, "llava": build_tiny_llava_next, "text": build_tiny_llama,
             # the newer families, tested in test_families.py

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 import orjson
@@ -10,7 +11,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from recap_cli import batch as batch_module
-from recap_cli import cli
+from recap_cli import cli, models
 from recap_cli.decoding.batched import Batch
 from recap_cli.session import Session
 
@@ -48,6 +49,23 @@ def lines(text: str) -> list[dict]:
 GOOD = [{"id": "cap", "image": "a.png"},
         {"id": "vqa", "image": "b.png", "question": "What colour is the square?"},
         {"id": "txt", "image": None, "prompt": "Summarise the passage: the quick brown fox."}]
+
+
+def test_the_loaded_model_is_out_of_the_collectors_scans(model_dirs, workdir, monkeypatch):
+    """A full collection walks every object it tracks, inside whichever step set it off: the model's, alive for
+    the whole run, are frozen after loading, so one never walks them."""
+    monkeypatch.chdir(workdir)
+    loaded = []
+    monkeypatch.setattr(models, "load", lambda *a, real=models.load, **k: loaded.append(real(*a, **k)) or loaded[-1])
+    gc.unfreeze()
+    result = invoke(["run", "-", "--model", model_dirs["qwen"], "--max-new-tokens", 4], jsonl(GOOD[0]))
+    assert result.exit_code == 0, result.stderr
+    model = loaded[0].model
+    layer = next(model.modules())
+    assert gc.get_freeze_count() > 0
+    assert not any(o is model or o is layer for o in gc.get_objects())  # tracked objects, frozen ones left out
+    gc.unfreeze()
+    assert any(o is model for o in gc.get_objects())
 
 
 def test_stdin_to_stdout_pipeline_carries_only_jsonl(model_dirs, workdir, monkeypatch):
