@@ -527,12 +527,13 @@ class Pace:
 class SizeChooser:
     """Best-first growth with a stop: feed the path chance of each node as it is placed (non-increasing, as
     best-first growth on chances <= 1 places them); ``size`` is the tree size (root included) with the best
-    expected tokens per second so far, ``worth_growing`` says whether a bigger tree could still beat it.
+    value so far (E(n) - rate * T(n), or E(n) / T(n) without a rate), ``worth_growing`` says whether a bigger
+    tree could still beat it.
 
     The bound: every node still to come has a chance <= ``next_chance`` (the best unplaced one), so a tree of
     k nodes emits at most E(n) + (k - n) * next_chance. Between two grid sizes a < k <= b that is at most
-    E(n) + (b - n) * next_chance, over at least T(a + 1) seconds (T never decreases): one check per grid
-    segment. Where steps are cheap that bound stays loose (it assumes every later node as likely as the next),
+    E(n) + (b - n) * next_chance, over at least T(a + 1) seconds (T never decreases), and both values grow
+    with tokens and fall with seconds: one check per grid segment. Where steps are cheap that bound stays loose (it assumes every later node as likely as the next),
     and growth goes on long after the best size, paying drafting for nodes that are cut. So growth also stops
     at twice the best size so far plus 4: a step-cost curve whose sizes double (the static buckets 16, 32, 64)
     is still searched one bucket beyond the best.

@@ -1,8 +1,9 @@
 """Prompt lookup decoding: find the last n-gram (n = 3 down to 1) earlier in prompt + output and draft the
 tokens that followed its first occurrence as one chain, as transformers' prompt_lookup_num_tokens does.
 
-With ``budget="auto"`` (the default) the chain is cut where expected tokens per second peak: each token's chance
-is learned from the verifier's verdicts per (match length, step along the chain), as RECAP's suffix lane does.
+With ``budget="auto"`` (the default) the chain is cut to the length worth the step's cost
+(recap_cli/decoding/cost.py): each token's chance is learned from the verifier's verdicts per (match length, step
+along the chain), as RECAP's suffix lane does.
 ``budget=N`` drafts the whole chain of up to N tokens (transformers' behaviour with N = 10).
 """
 

@@ -350,7 +350,7 @@ class RecapDrafter(Drafter):
         and, where the node's path is still an exact match in the stream memory, the continuations that
         followed it there (most frequent first, likewise one at a time). A token both lanes propose is placed
         once, at the better chance. With ``budget="auto"`` the tree stops growing when no bigger tree can beat
-        the best expected tokens per second so far, and is cut to that best size.
+        the best size so far (``SizeChooser``), and is cut to that best size.
 
         A node's rows are mixed only when it is its turn to grow children: until then it waits in the heap at
         its path chance times an upper bound on any first child's chance, so the order is exactly best-first

@@ -7,8 +7,8 @@ parent's token". The template has 80 nodes + root over 6 levels of 8/21/25/15/8/
 rank r's prior as decaying with r (``RANK_PRIOR``).
 
 ``budget="auto"`` (the ``tr:budget=auto`` variant, not the paper's) keeps the template but cuts it to the size
-with the best expected tokens per second (recap_cli/decoding/cost.py), taking each node's path chance as the product of
-the table's probabilities along it: Token Recycling at equal cost, for a fair comparison with RECAP.
+worth the step's cost (recap_cli/decoding/cost.py), taking each node's path chance as the product of the table's
+probabilities along it: Token Recycling at equal cost, for a fair comparison with RECAP.
 """
 
 from __future__ import annotations
