@@ -183,9 +183,9 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def freeze_loaded() -> None:
     """Take every object alive now (imported code, the model's modules, parameters and processor: some 400,000
     objects with the demo model) out of the cyclic garbage collector's scans for the rest of the process. They
-    live as long as the run, and a full collection would walk all of them inside whichever drafting step
-    triggered it: measured in a demo `recap compare`, one full collection 10 s in stalled one request's drafting
-    for 0.35 s. What a frozen object holds is still freed when nothing refers to it; only cycles among them stay.
+    live as long as the run, and a full collection would walk all of them inside whichever drafting step set it
+    off: in a demo `recap compare`, one full collection 10 s into the run stalled one request's drafting for
+    0.35 s. What a frozen object holds is still freed when nothing refers to it; only cycles among them stay.
     A process-wide setting, so the commands call it after loading, not ``load`` (a library call)."""
     gc.collect()
     gc.freeze()

@@ -26,6 +26,7 @@ def _collector_sees_everything_again():
     yield
     gc.unfreeze()
 
+
 BUILDERS = {"qwen": build_tiny_qwen2_5_vl, "llava": build_tiny_llava_next, "text": build_tiny_llama,
             # the newer families, tested in test_families.py
             "qwen2_vl": build_tiny_qwen2_vl, "qwen3_vl": build_tiny_qwen3_vl,

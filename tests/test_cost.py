@@ -151,7 +151,6 @@ def test_a_frozen_model_never_probes():
     assert cost(16) == 1.0 and cost.probe() is None
 
 
-
 def paced(rate: float) -> StepCost:
     """CPU-like costs and a run known to emit ``rate`` tokens per second (of those costs)."""
     cost = StepCost(SIZES)

@@ -533,10 +533,10 @@ class SizeChooser:
     The bound: every node still to come has a chance <= ``next_chance`` (the best unplaced one), so a tree of
     k nodes emits at most E(n) + (k - n) * next_chance. Between two grid sizes a < k <= b that is at most
     E(n) + (b - n) * next_chance, over at least T(a + 1) seconds (T never decreases), and both values grow
-    with tokens and fall with seconds: one check per grid segment. Where steps are cheap that bound stays loose (it assumes every later node as likely as the next),
-    and growth goes on long after the best size, paying drafting for nodes that are cut. So growth also stops
-    at twice the best size so far plus 4: a step-cost curve whose sizes double (the static buckets 16, 32, 64)
-    is still searched one bucket beyond the best.
+    with tokens and fall with seconds: one check per grid segment. Where steps are cheap that bound stays loose
+    (it assumes every later node as likely as the next), and growth goes on long after the best size, paying
+    drafting for nodes that are cut. So growth also stops at twice the best size so far plus 4: a step-cost
+    curve whose sizes double (the static buckets 16, 32, 64) is still searched one bucket beyond the best.
     """
 
     def __init__(self, table: Sequence[float], limit: int, grid: Sequence[int] = SIZES, base: float = 0.0,
