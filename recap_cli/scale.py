@@ -410,7 +410,7 @@ def merge_memories(seed: dict | None, states: list[dict]) -> dict:
             merged[name] = None
         elif set(first) == {"ids", "probs"}:
             merged[name] = _merge_table(base.get(name), values)
-        elif set(first) == {"tokens", "lengths", "segments"}:  # RECAP's stream memory: text, request by request
+        elif {"tokens", "lengths", "segments"} <= set(first):  # RECAP's stream memory: text, request by request
             merged[name] = merge_stream_states(base.get(name), values)
         else:
             merged[name] = _merge_counts(base.get(name), values)

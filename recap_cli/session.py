@@ -24,7 +24,7 @@ from .decoding.sampling import GREEDY, Picker, Settings
 from .prefix_cache import PrefixCache, auto_megabytes
 from .records import as_parts, first_line, user_message
 
-MEMORY_FORMAT, MEMORY_VERSION = "recap-memory", 3  # 3: RECAP keeps the stream memory
+MEMORY_FORMAT, MEMORY_VERSION = "recap-memory", 4  # 3: RECAP keeps the stream memory; 4: its chances per class
 log = logging.getLogger(__name__)
 
 
@@ -51,7 +51,7 @@ class Session:
         self.batch = batch
         self.sampling = sampling.seeded()
         banned = [adapter.image_token_id] if adapter.image_token_id is not None else []
-        self.drafter = make_drafter(method, adapter.vocab_size, banned=banned, **knobs)
+        self.drafter = make_drafter(method, adapter.vocab_size, banned=banned, stops=adapter.eos_token_ids, **knobs)
         top_k = getattr(self.drafter, "top_k", 8)
         self.engine = Engine(adapter, top_k=top_k, static=static, compile=compile,
                              min_capacity=4096 if compile else 0)

@@ -166,7 +166,7 @@ def test_rows_share_persistent_memory_and_own_request_memory(get_adapter, tmp_pa
     adapter = get_adapter("text")
     session = Session(adapter, "recap", batch=3)
     row = session.drafter.fork()
-    assert row.order1 is session.drafter.order1 and row.calibration is session.drafter.calibration
+    assert row.order1 is session.drafter.order1 and row.stream_chances is session.drafter.stream_chances
     assert row.keyed[2] is not session.drafter.keyed[2] and row.index is not session.drafter.index
     run(session, stream("text", tmp_path, 5))
     assert session.drafter.order1.filled() > 0  # every row wrote the shared order-1 table

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from recap_cli.decoding.cost import StepCost
@@ -172,11 +173,12 @@ def test_suffix_lookup_never_continues_into_image_tokens():
     assert idx.continuation([1, 2, 4, IMAGE, IMAGE, 1, 2], 4) == (2, [4])
 
 
-def _seeded_chain_drafter(**kw) -> RecapDrafter:
+def _seeded_chain_drafter(p: float = 0.6, **kw) -> RecapDrafter:
     d = drafter(**kw)
     d.start([1, 2, 3], None)
-    for t in range(1, 60):  # token t is followed by t+1 with prob 0.6, then by others
-        dist = {t + 1: 0.6, t + 20: 0.2, t + 21: 0.1, t + 22: 0.1}
+    for t in range(1, 60):  # token t is followed by t+1 with prob p (0.6), then by others
+        rest = 1 - p
+        dist = {t + 1: p, t + 20: rest / 2, t + 21: rest / 4, t + 22: rest / 4}
         dist = {k % 98: v for k, v in dist.items()}
         _seed(d, (0, 0, t), 1, dist)
     return d
@@ -262,15 +264,21 @@ def test_calibration_learns_that_overconfident_memories_fail():
     d = _seeded_chain_drafter(budget=0, depth=4, suffix=False)  # the root alone: nothing placed
     tree = d.propose([1, 2, 3], room=100)
     assert len(tree) == 1
-    first, second = d.calibration.chance(0, 0.6, 1), d.calibration.chance(1, 0.2, 1)
-    for _ in range(20):  # the model's argmax at the root is always the rank-1 candidate, 3 + 20
+
+    def chances():
+        return {token: chance for chance, token, _, _ in d._candidates((1, 2, 3), None, 0, 0)}
+
+    before = chances()
+    assert before[4] == pytest.approx(0.6 ** 2, rel=1e-4) and before[23] == pytest.approx(0.2 ** 2, rel=1e-4)
+    for _ in range(50):  # the model's argmax at the root is always the rank-1 candidate, 3 + 20
+        tree = d.propose([1, 2, 3], room=100)
         d.observe(tree, Verified(path=[0], bonus=23, argmax=[23], rows=rows_of({23: 1.0})))
-    assert d.calibration.chance(0, 0.6, 1) < first / 2
-    assert d.calibration.chance(1, 0.2, 1) > second
-    assert d.calibration.chance(0, 0.6, 2) == 0.6  # depth 2 was never tested: still the prior
-    raw = _seeded_chain_drafter(budget=6, depth=4, suffix=False, calibrate=False)
-    assert raw.calibration is None and raw.propose([1, 2, 3], room=100).tokens == \
-        _seeded_chain_drafter(budget=6, depth=4, suffix=False).propose([1, 2, 3], room=100).tokens
+        d.order1.rows[3] = _seeded_chain_drafter().order1.rows[3]  # the seeded row back (observe overwrote it)
+    after = chances()
+    assert after[4] < before[4] / 2 and after[23] > 2 * before[23]
+    raw = _seeded_chain_drafter(budget=0, depth=4, suffix=False, calibrate=False)
+    raw.propose([1, 2, 3], room=100)
+    assert {t: c for c, t, _, _ in raw._candidates((1, 2, 3), None, 0, 0)} == pytest.approx({4: 0.6, 23: 0.2}, rel=1e-4)
 
 
 def test_cost_cut_keeps_the_root_alone_when_chances_are_low_and_nodes_cost():
@@ -282,17 +290,64 @@ def test_cost_cut_keeps_the_root_alone_when_chances_are_low_and_nodes_cost():
         d.order1.rows = list(_seeded_chain_drafter().order1.rows)  # memories back as seeded
     d.cost = costs({1: 1.0, 2: 1.5, 4: 1.6, 8: 1.8, 16: 2.2, 32: 3.0, 64: 5.0})  # CPU-like: a tree costs more
     assert len(d.propose([1, 2, 3], room=100)) == 1
-    d.cost = costs()  # flat (a GPU): even unlikely nodes are free, so the tree grows to the largest size
-    assert len(d.propose([1, 2, 3], room=100)) == 64
+    d.cost = costs()  # flat (a GPU): even unlikely nodes are free, so the tree grows until their chances vanish
+    flat = d.propose([1, 2, 3], room=100)
+    assert len(flat) >= 48 and min(d.chances) < 1e-12  # (adding ~1e-16 to E no longer changes it in floats)
 
 
 def test_cost_cut_grows_where_chances_are_high():
-    d = _seeded_chain_drafter(suffix=False)
+    d = _seeded_chain_drafter(suffix=False, p=0.9)
     d.cost = costs({1: 1.0, 2: 1.5, 4: 1.6, 8: 1.8, 16: 2.2, 32: 3.0, 64: 5.0})
     tree = d.propose([1, 2, 3], room=100)
-    # Untaught, the chances are the remembered 0.6 / 0.2 / 0.1: the 0.6 chain pays for a few nodes, not 64.
-    assert 2 <= len(tree) <= 16 and tree.tokens[:3] == [3, 4, 5]
+    # Untaught, the chain's chances are 0.9^2 each: it pays for a few nodes, not 64.
+    assert 3 <= len(tree) <= 16 and tree.tokens[:3] == [3, 4, 5]
     assert len(d.propose([1, 2, 3], room=100)) == len(tree)  # deterministic for the same state
+    weak = _seeded_chain_drafter(suffix=False)  # 0.6^2 = 0.36 a node: not worth a 1.5x step
+    weak.cost = d.cost
+    assert len(weak.propose([1, 2, 3], room=100)) == 1
+
+
+def test_a_request_whose_drafts_fail_sizes_smaller_trees():
+    """The learned chances are the run's; a request that keeps missing them (trust) grows less, and the next
+    request starts afresh."""
+    flat = {1: 1.0, 2: 1.3, 4: 1.3, 8: 1.3, 16: 1.4, 32: 1.6, 64: 2.0}
+    d = _seeded_chain_drafter(suffix=False, p=0.9, calibrate=False)
+    d.cost = costs(flat)
+    fresh = len(d.propose([1, 2, 3], room=100))
+    for _ in range(6):
+        tree = d.propose([1, 2, 3], room=100)
+        d.observe(tree, Verified(path=[0], bonus=50, argmax=[50] * len(tree), rows=rows_of(*[{}] * len(tree))))
+        d.order1.rows = list(_seeded_chain_drafter(p=0.9).order1.rows)
+    assert d.trust.factor < 0.5 and len(d.propose([1, 2, 3], room=100)) < fresh
+    d.start([1, 2, 3], None)
+    d.order1.rows = list(_seeded_chain_drafter(p=0.9).order1.rows)
+    assert d.trust.factor == 1.0 and len(d.propose([1, 2, 3], room=100)) == fresh
+
+
+def test_a_stop_token_ends_its_branch():
+    d = drafter(suffix=False, budget=10, stops=[7])
+    d.start([1, 2, 3], None)
+    for t in range(3, 12):
+        _seed(d, (0, 0, t), 1, {t + 1: 0.9, 40 + t: 0.1})
+    tree = d.propose([1, 2, 3], room=100)
+    at = tree.tokens.index(7)
+    assert all(parent != at for parent in tree.parents)  # nothing is drafted after the end of the answer
+    assert 8 not in tree.tokens
+
+
+def test_a_continuation_longer_than_the_stream_depth_re_anchors():
+    """The stream memory holds matches up to its depth; a copied span longer than that keeps its draft going by
+    matching its own last tokens afresh."""
+    passage = list(range(10, 40))
+    d = drafter(budget=40, stream_depth=6, orders=(1,), width=1)
+    prompt = [1] + passage + [2]
+    d.start(prompt, None)
+    context = prompt + passage[:3]
+    tree = d.propose(context, room=100)
+    chain = [0]
+    while (nxt := next((i for i in range(1, len(tree)) if tree.parents[i] == chain[-1]), None)) is not None:
+        chain.append(nxt)
+    assert [tree.tokens[i] for i in chain[1:]][:20] == passage[3:23]  # far deeper than 6
 
 
 def test_step_cost_interpolates_follows_observations_and_buckets():

@@ -111,14 +111,14 @@ def test_a_model_no_worker_can_load_is_a_usage_error(ray_local, inputs, tmp_path
 
 
 def state(rows: dict[int, tuple[list[int], list[float]]], hits: float = 0.0, vocab: int = 6, k: int = 2) -> dict:
-    """A memory file's content: an order-1 table with ``rows`` and calibration counts (``hits`` of 10 tries)."""
+    """A memory file's content: an order-1 table with ``rows`` and learned chances (``hits`` of 10 tries)."""
     ids, probs = torch.full((vocab, k), -1, dtype=torch.int32), torch.zeros(vocab, k)
     for t, (i, p) in rows.items():
         ids[t, : len(i)], probs[t, : len(p)] = torch.tensor(i, dtype=torch.int32), torch.tensor(p)
     counts = {"hits": torch.full((2, 2), hits, dtype=torch.float64), "tries": torch.full((2, 2), 10.0 + hits,
                                                                                            dtype=torch.float64)}
-    return {"format": "recap-memory", "version": 2, "method": "recap", "model": "m/6",
-            "state": {"order1": {"ids": ids, "probs": probs}, "calibration": counts, "continuation": counts}}
+    return {"format": "recap-memory", "version": 4, "method": "recap", "model": "m/6",
+            "state": {"order1": {"ids": ids, "probs": probs}, "row_chances": counts, "stream_chances": counts}}
 
 
 def test_merge_prefers_written_rows_then_the_most_confident():
@@ -134,11 +134,11 @@ def test_merge_prefers_written_rows_then_the_most_confident():
     assert rows[3] == [1, 0]  # new in a
     assert rows[4] == rows[5] == [-1, -1]
     # Counts: the seed's 1 hit once, plus what each worker added (2 and 3): every verdict counted once.
-    assert merged["state"]["calibration"]["hits"].eq(1 + 2 + 3).all()
-    assert merged["state"]["continuation"]["tries"].eq(11 + 2 + 3).all()
+    assert merged["state"]["row_chances"]["hits"].eq(1 + 2 + 3).all()
+    assert merged["state"]["stream_chances"]["tries"].eq(11 + 2 + 3).all()
     alone = scale.merge_memories(None, [a])["state"]
     assert alone["order1"]["ids"].equal(a["state"]["order1"]["ids"])
-    assert alone["calibration"]["hits"].equal(a["state"]["calibration"]["hits"])
+    assert alone["row_chances"]["hits"].equal(a["state"]["row_chances"]["hits"])
     with pytest.raises(ValueError, match="cannot be merged"):
         scale.merge_memories(None, [a, {**b, "model": "other/6"}])
 

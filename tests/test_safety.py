@@ -236,7 +236,7 @@ def damaged_memories(get_adapter, d: Path) -> dict[str, tuple[Path, str]]:
 
     def changed(fn):
         state = {**good, "state": {**good["state"], "order1": dict(good["state"]["order1"]),
-                                   "calibration": dict(good["state"]["calibration"])}}
+                                   "row_chances": dict(good["state"]["row_chances"])}}
         fn(state)
         return state
 
@@ -259,10 +259,10 @@ def damaged_memories(get_adapter, d: Path) -> dict[str, tuple[Path, str]]:
         ids=torch.where(ids >= 0, ids + 10_000, ids)))), "outside the vocabulary"
     cases["gap"] = write("gap", changed(lambda s: s["state"]["order1"].update(
         ids=torch.cat([torch.full_like(ids[:, :1], -1), torch.zeros_like(ids[:, 1:])], 1)))), "gap"
-    cases["calibration"] = write("cal", changed(lambda s: s["state"]["calibration"].update(
-        hits=torch.ones(2, 2, dtype=torch.float64)))), "calibration"
-    cases["counts"] = write("counts", changed(lambda s: s["state"]["calibration"].update(
-        hits=s["state"]["calibration"]["tries"] + 1))), "hits <= tries"
+    cases["chances"] = write("cal", changed(lambda s: s["state"]["row_chances"].update(
+        hits=torch.ones(2, 2, dtype=torch.float64)))), "learned chances"
+    cases["counts"] = write("counts", changed(lambda s: s["state"]["row_chances"].update(
+        hits=s["state"]["row_chances"]["tries"] + 1))), "hits <= tries"
     return cases
 
 
@@ -329,9 +329,9 @@ def test_the_drafter_state_survives_a_save_and_load(get_adapter, method, tmp_pat
     fresh.load_memory(tmp_path / "m.pt")
     saved, loaded = session.drafter.state(), fresh.drafter.state()
     flat = lambda s: {(k, j): v for k, d in s.items() if d is not None for j, v in d.items()}  # noqa: E731
-    # recap: order-1 ids/probs, calibration, continuation and placed hits/tries, the stream memory's tokens, lengths and
-    # segments; tr: its table; pld: its chain chances
-    assert flat(saved).keys() == flat(loaded).keys() and len(flat(saved)) == {"recap": 11, "tr": 2, "pld": 2}[method]
+    # recap: order-1 ids/probs, the stream's and the rows' learned chances and the placed calibration's hits/tries,
+    # the stream memory's tokens, lengths, segments and last prompt; tr: its table; pld: its chain chances
+    assert flat(saved).keys() == flat(loaded).keys() and len(flat(saved)) == {"recap": 12, "tr": 2, "pld": 2}[method]
     assert all(torch.equal(flat(saved)[k], flat(loaded)[k]) for k in flat(saved))
     if method != "pld":
         assert (session.drafter.order1 if method == "recap" else session.drafter.table).filled() > 5

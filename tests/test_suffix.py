@@ -158,6 +158,27 @@ def test_stream_memory_splits_at_images_evicts_the_oldest_and_rebuilds_the_same_
         copy.check_state({**saved, "lengths": saved["lengths"][:1]}, vocab_size=100)
 
 
+def test_a_prompt_writes_only_what_the_previous_prompt_did_not():
+    """Prompts in a stream share their start (template, image, earlier turns): the shared part is written once,
+    except its last ``depth`` tokens after the last image, so every suffix of the new text still matches, and the
+    place where the next prompt's new text starts is saved with the memory."""
+    memory = StreamMemory(banned=[99], depth=4)
+    template = [1, 2, 3, 99, 99, 5, 6, 7, 8, 9, 10, 11]
+    assert memory.unseen(template + [20, 21]) == 0  # the first prompt: all of it
+    assert memory.unseen(template + [30, 31]) == len(template) - 4  # the shared start, less its last 4 tokens
+    assert memory.unseen([1, 2, 3, 99, 99, 5, 40]) == 5  # within depth of the end: from after the last image
+    assert memory.unseen([50, 51]) == 0
+    d = make_drafter("recap", 100, banned=[99], budget=8, stream_depth=4)
+    d.start(template + [20, 21, 22], None)
+    d.start(template + [20, 21, 23], None)
+    tree = d.stream.tree
+    assert tree.occurrences(tree.match([10, 11, 20, 21])) == 2  # written by both, so its continuations count
+    assert tree.occurrences(tree.match([1, 2, 3])) == 1  # the shared start was written once
+    copy = StreamMemory(banned=[99], depth=4)
+    copy.load_state(d.stream.state())
+    assert copy.last_prompt == template + [20, 21, 23]
+
+
 def test_recap_drafts_a_phrase_of_an_earlier_request_from_the_stream():
     d = make_drafter("recap", 100, budget=8)
     d.start([1, 2], None)

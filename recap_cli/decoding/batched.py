@@ -474,11 +474,13 @@ class Batch:
         ended, failed = [], {}
         for i, (first, rows) in zip(range(start, len(self.flights)), firsts):
             flight = self.flights[i]
+            t1 = time.perf_counter()
             try:
                 flight.drafter.start(flight.context, rows)
             except Exception as exc:  # noqa: BLE001 - one turn's failure is its own
                 failed[i] = exc
                 continue
+            flight.gen.prefill_s += time.perf_counter() - t1  # the drafter's start belongs to the turn's set-up
             flight.context.append(first)
             flight.gen.tokens.append(first)
             flight.gen.by_source[Source.BONUS.name] += 1

@@ -359,8 +359,8 @@ def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int, picke
         picker.start(prompt.input_ids[0])
     first, rows = engine.prefill(prompt, want_rows=drafter.wants_prefill_rows, reserve=max_new_tokens, **chosen)
     context = prompt.input_ids[0].tolist()
-    gen.prefill_s = time.perf_counter() - t0
     drafter.start(context, rows)
+    gen.prefill_s = time.perf_counter() - t0  # the drafter's start (memories seeded from the prompt) included
     context.append(first)
     gen.tokens.append(first)
     gen.by_source[Source.BONUS.name] += 1

@@ -10,12 +10,13 @@ from .suffix import SuffixDecodingDrafter
 from .tr import TokenRecyclingDrafter
 
 
-def make_drafter(method: str, vocab_size: int, banned=(), **knobs) -> Drafter:
+def make_drafter(method: str, vocab_size: int, banned=(), stops=(), **knobs) -> Drafter:
     """A drafter by method name. ``knobs`` are RecapDrafter's ablation parameters; ``tr`` and ``pld`` take
     ``budget`` only (tr: "auto" cuts its template by cost; pld: a fixed chain length, else cut by cost);
-    ``suffix`` (SuffixDecoding) runs with the reference's defaults and takes none."""
+    ``suffix`` (SuffixDecoding) runs with the reference's defaults and takes none. ``stops``: the tokens that end
+    a generation (RECAP drafts nothing after one; the baselines draft as their references do)."""
     if method == "recap":
-        return RecapDrafter(vocab_size, banned=banned, **knobs)
+        return RecapDrafter(vocab_size, banned=banned, stops=stops, **knobs)
     if method == "suffix":
         if knobs:
             raise ValueError(f"options {sorted(knobs)} apply to recap, tr and pld only (suffix takes none)")

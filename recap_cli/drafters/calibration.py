@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import torch
 
-BUCKETS = (0.5, 0.8, 0.95)  # remembered probability -> bucket 0..3
+SHARES = (0.2, 0.5, 0.8, 0.95)  # a probability or a share of occurrences -> bucket 0..4
 
 
-def bucket(p: float) -> int:
-    return 3 if p >= 0.95 else 2 if p >= 0.8 else 1 if p >= 0.5 else 0
+def share_bucket(p: float) -> int:
+    return 4 if p >= 0.95 else 3 if p >= 0.8 else 2 if p >= 0.5 else 1 if p >= 0.2 else 0
+
+
+MATCHES = (1, 2, 3, 4, 6, 9, 13)  # length of an exact match in the stream -> bucket 0..6 (13 and longer: the last)
+
+
+def match_bucket(m: int) -> int:
+    return 6 if m >= 13 else 5 if m >= 9 else 4 if m >= 6 else min(m, 4) - 1 if m >= 1 else 0
 
 
 class Counts:
@@ -28,6 +35,7 @@ class Counts:
         self.hits = [[0.0] * self.shape[1] for _ in range(self.shape[0])]
         self.tries = [[0.0] * self.shape[1] for _ in range(self.shape[0])]
         self._coefficients = None
+        self._bound = None
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"hits": torch.tensor(self.hits, dtype=torch.float64),
@@ -48,44 +56,6 @@ class Counts:
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         self.check_state(state)
         self.hits, self.tries = state["hits"].tolist(), state["tries"].tolist()
-        self._coefficients = None
-
-
-class Calibration(Counts):
-    """P(a recycled candidate is accepted | its node was) per (rank among the node's candidates, bucket of the
-    remembered probability, depth 1 / 2 / 3+), starting at the remembered probability itself. A remembered
-    probability is the model's confidence in an *earlier* context, so it overrates recycled tokens where
-    contexts alias. Depth matters because acceptances are not independent: a node deep in the tree is only
-    tested when its whole path was right, on a stretch of text that is predictable, where the next token is
-    more often right too; one figure for all depths would make long paths look less likely than they are."""
-
-    def __init__(self, width: int, prior: float = 4.0, depths: int = 3):
-        self.width, self.prior, self.depths = width, prior, depths  # depths=1: one figure for all depths
-        super().__init__(width * depths, len(BUCKETS) + 1)
-
-    def chance(self, rank: int, p: float, depth: int) -> float:
-        """For a candidate at tree depth ``depth`` (1: a child of the root)."""
-        row, b = rank * self.depths + min(depth, self.depths) - 1, bucket(p)
-        return (self.hits[row][b] + self.prior * p) / (self.tries[row][b] + self.prior)
-
-    def coefficients(self) -> list[list[tuple[float, float]]]:
-        """``chance`` as a + b * p per (rank x depth row, bucket): what drafting reads, rebuilt after records."""
-        if self._coefficients is None:
-            prior = self.prior
-            self._coefficients = [[(h / (t + prior), prior / (t + prior)) for h, t in zip(hs, ts)]
-                                  for hs, ts in zip(self.hits, self.tries)]
-        return self._coefficients
-
-    def first_child_bound(self) -> float:
-        """An upper bound on ``chance(0, p, depth)`` for any p (p <= 1) and depth: what a node's best child can
-        be worth before its rows are mixed."""
-        return max((h + self.prior) / (t + self.prior)
-                   for d in range(self.depths) for h, t in zip(self.hits[d], self.tries[d]))
-
-    def record(self, rank: int, p: float, depth: int, hit: bool) -> None:
-        row, b = rank * self.depths + min(depth, self.depths) - 1, bucket(p)
-        self.tries[row][b] += 1
-        self.hits[row][b] += hit
         self._coefficients = None
 
 
@@ -116,59 +86,36 @@ class ChainCalibration(Counts):
         self.hits[n][j] += hit
 
 
-MATCH_BUCKETS = (1, 2, 3, 4, 6, 9, 13)  # match length -> bucket 0..6 (13 and longer: the last)
-
-
-def match_bucket(m: int) -> int:
-    return 6 if m >= 13 else 5 if m >= 9 else 4 if m >= 6 else min(m, 4) - 1 if m >= 1 else 0
-
-
-class StreamCalibration(Counts):
-    """P(a continuation from the stream memory is accepted | its node was), per (length of the exact match
-    behind it: the context's match plus the path below the root, bucketed; its rank among the match's
-    continuations, 0 or later; the share of the match's occurrences it followed, bucketed). A token that
-    followed a 12-token match every time is another thing than one that followed a single token once in ten.
-    Starts at a guess of half the count-based share, worth ``prior`` observations."""
-
-    def __init__(self, prior: float = 4.0):
-        self.prior = prior
-        super().__init__(len(MATCH_BUCKETS) * 2, len(BUCKETS) + 1)
-
-    def chance(self, m: int, share: float, rank: int) -> float:
-        row, b = 2 * match_bucket(m) + (rank > 0), bucket(share)
-        return (self.hits[row][b] + self.prior * 0.5 * share) / (self.tries[row][b] + self.prior)
-
-    def record(self, m: int, share: float, rank: int, hit: bool) -> None:
-        row, b = 2 * match_bucket(m) + (rank > 0), bucket(share)
-        self.tries[row][b] += 1
-        self.hits[row][b] += hit
-
-
 PLACED_EDGES = tuple(i / 10 for i in range(1, 10))  # a lane's chance -> bucket 0..9
 
 
 class PlacedCalibration(Counts):
-    """The second look: P(a node placed in the tree is accepted | its parent was) per (lane: the most specific
-    recycled order behind it, or the stream; bucket of the chance its lane gave it). The lanes' estimates are
-    learned over every candidate of an accepted node, but a tree keeps only the candidates that looked best, and
-    those are the overrated ones (a winner's curse: the benchmarks/calibration.py table showed recycled nodes at
-    a predicted 0.9-1.0 accepted 42% of the time). This maps each lane's chance to what placed nodes with that
-    chance turned out to be worth, bucket by bucket, starting at the lane's own figure (``prior``
-    observations)."""
+    """The second look: P(a node placed in the tree is accepted | its parent was) per (lane: where its chance
+    came from; bucket of that chance). The lanes' estimates are learned over every candidate of an accepted
+    node, many classes with few tests each, and a tree keeps the candidates whose estimates came out highest:
+    those are the overrated ones (a winner's curse: benchmarks/calibration.py showed recycled nodes at a predicted
+    0.1-0.2 accepted half as often). This maps each lane's chance to what placed nodes with that chance turned
+    out to be worth, bucket by bucket, starting at the lane's own figure (``prior`` observations)."""
 
-    LANES = 4  # recycled with order 1 / 2 / 3 rows present, stream
-
-    def __init__(self, prior: float = 8.0):
-        self.prior = prior
-        super().__init__(self.LANES, len(PLACED_EDGES) + 1)
+    def __init__(self, lanes: int = 2, prior: float = 8.0, refresh: int = 32):
+        self.prior, self.refresh = prior, refresh
+        self._since = 0
+        super().__init__(lanes, len(PLACED_EDGES) + 1)
 
     @staticmethod
     def bucket(p: float) -> int:
         return min(int(p * 10), 9) if p > 0 else 0
 
+    def renew(self) -> None:
+        """Rebuild at the next read if anything was recorded since the last build (see ``CellChances.renew``)."""
+        if self._since:
+            self._coefficients = None
+
     def coefficients(self) -> list[list[tuple[float, float]]]:
-        """a + b * p per (lane, bucket): the mapped chance is a + b * (the lane's chance)."""
-        if self._coefficients is None:
+        """a + b * p per (lane, bucket): the mapped chance is a + b * (the lane's chance); rebuilt every
+        ``refresh`` records."""
+        if self._coefficients is None or self._since >= self.refresh:
+            self._since = 0
             prior = self.prior
             self._coefficients = [[(h / (t + prior), prior / (t + prior)) for h, t in zip(hs, ts)]
                                   for hs, ts in zip(self.hits, self.tries)]
@@ -176,11 +123,103 @@ class PlacedCalibration(Counts):
 
     def bound(self, most: float = 1.0) -> float:
         """An upper bound on the mapped chance of any lane chance <= ``most`` (for nodes not yet mixed)."""
-        return min(1.0, max(a + b * min(most, (j + 1) / 10) for row in self.coefficients()
-                            for j, (a, b) in enumerate(row) if j / 10 <= most))
+        coefficients = self.coefficients()
+        if self._bound is None or self._bound[0] is not coefficients or self._bound[1] != most:
+            self._bound = (coefficients, most, min(1.0, max(a + b * min(most, (j + 1) / 10) for row in coefficients
+                                                       for j, (a, b) in enumerate(row) if j / 10 <= most)))
+        return self._bound[2]
 
     def record(self, lane: int, p: float, hit: bool) -> None:
         b = self.bucket(p)
         self.tries[lane][b] += 1
         self.hits[lane][b] += hit
+        self._since += 1
+
+
+class CellChances:
+    """P(a candidate is accepted | its node was) per evidence class (a *cell*), learned from graded candidates,
+    each cell shrunk towards its coarser *parent* class, and the parent towards a guess made from the candidate's
+    own figure (a remembered probability, a share of occurrences):
+
+        parent(g) = (hits_p + k_p * w * g) / (tries_p + k_p)
+        chance    = (hits_c + k_c * parent(g)) / (tries_c + k_c)
+
+    A fine cell separates what matters (a 12-token match from a 2-token one) but starts empty; its parent has
+    data sooner. Both are linear in the guess g, so drafting reads ``a + b * g`` per cell from ``coefficients``,
+    rebuilt every ``refresh`` records (estimates move slowly: reading stale ones for a few steps costs nothing,
+    rebuilding them every step would cost more than drafting). Only fine counts are kept; a parent's are the sums
+    of its cells'."""
+
+    def __init__(self, parents: list[int], weight: float = 0.5, k_cell: float = 4.0, k_parent: float = 4.0,
+                 refresh: int = 256):
+        self.parents, self.weight, self.k_cell, self.k_parent = parents, weight, k_cell, k_parent
+        self.refresh = refresh
+        self._groups = max(parents) + 1
+        self.clear()
+
+    def clear(self) -> None:
+        self.hits = [0.0] * len(self.parents)
+        self.tries = [0.0] * len(self.parents)
+        self._since = self.refresh
+        self._coefficients: tuple[list[float], list[float]] | None = None
+        self._bound: tuple | None = None
+
+    def record(self, cell: int, hit: bool) -> None:
+        self.tries[cell] += 1
+        self.hits[cell] += hit
+        self._since += 1
+
+    def renew(self) -> None:
+        """Rebuild the coefficients at the next read if anything was recorded since the last build (a new
+        request): where they are rebuilt depends on the requests alone, so a run that loads a saved memory drafts
+        as the run that saved it would have gone on."""
+        if self._since:
+            self._since = self.refresh
+
+    def chance(self, cell: int, guess: float) -> float:
+        a, b = self.coefficients()
+        return a[cell] + b[cell] * guess
+
+    def coefficients(self) -> tuple[list[float], list[float]]:
+        """(a, b) per cell: the chance is a + b * guess. Rebuilt once ``refresh`` records came in since the last
+        build (or on the first read)."""
+        if self._coefficients is None or self._since >= self.refresh:
+            self._since = 0
+            parents, hits, tries = self.parents, self.hits, self.tries
+            ph, pt = [0.0] * self._groups, [0.0] * self._groups
+            for p, h, t in zip(parents, hits, tries):
+                ph[p] += h
+                pt[p] += t
+            kc, kp, w = self.k_cell, self.k_parent, self.weight
+            rate = [kc * h / (t + kp) for h, t in zip(ph, pt)]  # k_cell * the parent's a
+            slope = [kc * kp * w / (t + kp) for t in pt]  # k_cell * the parent's b
+            self._coefficients = ([(h + rate[p]) / (t + kc) for p, h, t in zip(parents, hits, tries)],
+                                  [slope[p] / (t + kc) for p, t in zip(parents, tries)])
+        return self._coefficients
+
+    def bound(self) -> float:
+        """The largest chance any cell gives any guess (guesses are <= 1), kept with the coefficients."""
+        coefficients = self.coefficients()
+        if self._bound is None or self._bound[0] is not coefficients:
+            a, b = coefficients
+            self._bound = (coefficients, min(1.0, max(x + y for x, y in zip(a, b))))
+        return self._bound[1]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"hits": torch.tensor(self.hits, dtype=torch.float64),
+                "tries": torch.tensor(self.tries, dtype=torch.float64)}
+
+    def check_state(self, state) -> None:
+        if not isinstance(state, dict) or set(state) != {"hits", "tries"}:
+            raise ValueError("learned chances must hold exactly 'hits' and 'tries'")
+        hits, tries = state["hits"], state["tries"]
+        if not all(isinstance(t, torch.Tensor) and t.dtype.is_floating_point and tuple(t.shape) == (len(self.parents),)
+                   for t in (hits, tries)):
+            raise ValueError(f"learned chances must be two float tensors of shape ({len(self.parents)},)")
+        if not (torch.isfinite(hits).all() and torch.isfinite(tries).all()) or (hits < 0).any() or (hits > tries).any():
+            raise ValueError("learned chances must be finite with 0 <= hits <= tries")
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.check_state(state)
+        self.hits, self.tries = state["hits"].tolist(), state["tries"].tolist()
         self._coefficients = None

@@ -1,28 +1,36 @@
 """RECAP: recycle the verifier's own earlier predictions as a draft tree.
 
-Memories keyed by the last 1, 2 and 3 tokens of a node's path hold the top-k rows the verifier produced there.
-Order 1 lives for the whole session (reusable transitions); orders 2 and 3 are reset per request (they carry
-this image's context). A node's candidates mix the rows its keys find:
+Two kinds of memory propose a node's children:
 
-    score(c) = sum_o  w_o * conf_o * p_o(c)  /  sum_o w_o * conf_o
+- **Recycled rows.** Every position the verifier evaluates (each tree node, accepted or not, and the prompt at
+  prefill) yields a row: its top-k next tokens, renormalised over k. Rows are keyed by the last 1, 2 and 3 tokens
+  of the node's own path. Order 1 lives for the whole session (reusable transitions); orders 2 and 3 are reset
+  per request (they carry this image's context). A node's rows are mixed
 
-with w_o a weight by the order's rank among the orders present (most specific first; 0.80/0.15/0.05 by
-default) and conf_o the row's top-1 probability (``mixing="confidence"``), or the public implementation's fixed
-weights 0.70/0.20/0.10 by rank and no confidence term (``mixing="fixed"``, the ablation). The tree grows
-best-first: a child's score is its parent's times its estimated chance of acceptance, so a node's score is the
-chance that its whole path is accepted. A remembered probability is the model's confidence in an *earlier*
-context, so it overrates recycled tokens where contexts alias ("the sign reads" continues differently per
-image); with ``calibrate=True`` (the default) the chance is learned online from the verifier's verdicts per
-(candidate rank, probability bucket), starting from the probability itself. A suffix continuation (the tokens
-that followed the longest earlier match of the current suffix in prompt + output) competes in the same growth,
-at its own learned chance, so a continuation that keeps being right earns the depth it pays for. Continuations
-come from the stream memory (recap_cli/drafters/stream.py): exact matches of up to 16 context tokens anywhere
-in the stream's text (this request's and earlier requests' prompts and answers), each continuation with the
-share of the match's occurrences it followed; its chance is learned per match length, rank and share.
+      score(c) = sum_o  w_o * conf_o * p_o(c)  /  sum_o w_o * conf_o
 
-The tree's size comes from what a step costs (``budget="auto"``, the default): growth stops where no bigger tree
-can add more expected tokens than the run earns in the time it costs (recap_cli/decoding/cost.py; ``paced=False``:
-where the step's own expected tokens per second can no longer rise, the ablation), down to the root alone.
+  with w_o a weight by the order's rank among the orders present (most specific first; 0.80/0.15/0.05) and
+  conf_o the row's top-1 probability (``mixing="confidence"``), or fixed weights 0.70/0.20/0.10 by rank and no
+  confidence term (``mixing="fixed"``, the ablation).
+- **The stream memory** (recap_cli/drafters/stream.py): exact matches of the context, up to 32 tokens long,
+  anywhere in the text the stream has seen (this request's and earlier requests' prompts and answers), with how
+  often each continuation followed. The longest match wins; a continuation drafted past the memory's depth
+  re-anchors on its own last 16 tokens, so a long copied span keeps its draft going.
+
+A candidate's chance of acceptance is learned from the verifier's verdicts (every candidate of an accepted node
+was put to the test: the one equal to the model's argmax there would have been accepted) per evidence class:
+for the stream, the match length, rank and share of occurrences, and whether the recycled rows agree; for rows,
+the most specific order present, rank, probability, depth and whether the stream proposed something else
+(recap_cli/drafters/calibration.py ``CellChances``); then once more per placed node (``PlacedCalibration``),
+against the winner's curse of keeping only the best-looking candidates. A node's children are exclusive (the
+model has one argmax there), so their chances are scaled to add up to at most 1.
+
+The tree grows best-first: a child's path chance is its parent's times its own, so the expected tokens a step
+emits are 1 + the sum of its nodes' path chances. A node's candidates are worked out only when it is its turn to
+grow children (until then it waits at its path chance times an upper bound on any child's), so the leaves a tree
+ends with cost nothing. With ``budget="auto"`` (the default) the tree stops growing where no bigger tree can add
+more expected tokens than the run earns in the time it costs, and is cut to the best size (recap_cli/decoding/
+cost.py), down to the root alone: a plain greedy step where nothing is predictable enough.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from operator import itemgetter
 
 from ..decoding.tree import Rows, Source, Tree, Verified
 from .base import Drafter
-from .calibration import Calibration, PlacedCalibration, StreamCalibration
+from .calibration import CellChances, PlacedCalibration, match_bucket, share_bucket
 from .memory import KeyedMemory, Row, TokenTable, check_table
 from .stream import Cursor, StreamMemory
 
@@ -42,12 +50,28 @@ FIXED_WEIGHTS = (0.70, 0.20, 0.10)
 # (0.7,0.2,0.1) .. (0.97,0.02,0.01), 16 prompts x 64 new tokens: 0.8/0.15/0.05 gave 2.79 tokens/step, fixed 2.61.
 CONFIDENCE_WEIGHTS = (0.80, 0.15, 0.05)
 ORDER_SOURCE = {1: Source.ORDER1, 2: Source.ORDER2, 3: Source.ORDER3}
-# A node's candidates: tokens and mixed probabilities best first, and the (order, row) pairs they came from.
-Candidates = tuple[Sequence[int], Sequence[float], list[tuple[int, Row]]]
-NO_CANDIDATES: Candidates = ((), (), [])
-MIX = -1  # a heap entry that mixes a node's rows (its chance there is an upper bound on its best child's)
-STREAM = -2  # heap entries <= STREAM place the stream candidate of rank STREAM - what
-STREAM_RANKS = 4  # stream continuations considered per node, most frequent first
+# A node's mixed rows: tokens and probabilities best first, and the (order, row) pairs they came from.
+Mixed = tuple[Sequence[int], Sequence[float], list[tuple[int, Row]]]
+NO_ROWS: Mixed = ((), (), [])
+STREAM_RANKS = 4  # continuations the stream proposes per node, most frequent first
+ANCHOR = 16  # tokens a continuation re-anchors on when it runs past the stream memory's depth
+MIX = -1  # a heap entry that works out a node's candidates (its chance is a bound on its best child's)
+
+# Evidence classes (cells) and their parents, as flat indices.
+# Stream: where the continuation last occurred, this request's own text or another request's (2) x match-length
+# bucket (7) x rank 0 / 1 / 2+ (3) x share bucket (5) x rows agree (2); parent: own x match bucket x rank > 0 x
+# agree. A long match can be the chat template every request shares; own text (a copied passage, a repeated
+# phrase) continues differently from what other requests' answers did.
+STREAM_CELLS = [(((own * 7 + m) * 2 + (r > 0)) * 2 + agree) for own in range(2) for m in range(7) for r in range(3)
+                for s in range(5) for agree in range(2)]
+# Rows: order 1/2/3 (3) x rank 0..3+ (4) x probability bucket (5) x below the root (2) x the stream proposed
+# something else (2); parent: order x rank x stream.
+ROW_CELLS = [((o * 4 + r) * 2 + other) for o in range(3) for r in range(4) for p in range(5) for deep in range(2)
+             for other in range(2)]
+ROW_ORDER_CELLS = len(ROW_CELLS) // 3  # cells per order: a row cell's order is cell // ROW_ORDER_CELLS + 1
+STREAM_LANE, ROW_LANE = 0, 1
+# A candidate: (chance, token, stream cell or -1, row cell or -1: the class that gave the chance).
+Candidate = tuple[float, int, int, int]
 
 
 def _origin(found: list[tuple[int, Row]], token: int) -> Source:
@@ -59,11 +83,11 @@ class RecapDrafter(Drafter):
     name = "recap"
     wants_prefill_rows = True
 
-    def __init__(self, vocab_size: int, banned: Iterable[int] = (), orders: Iterable[int] = (1, 2, 3),
+    def __init__(self, vocab_size: int, banned: Iterable[int] = (), stops: Iterable[int] = (),
+                 orders: Iterable[int] = (1, 2, 3),
                  mixing: str = "confidence", weights: tuple[float, ...] = CONFIDENCE_WEIGHTS, suffix: bool = True,
-                 suffix_len: int = 10, stream_depth: int = 16, stream_requests: int = 1000,
-                 budget: int | str = "auto", depth: int = 8, width: int = 8, top_k: int = 8, cap: int = 1 << 16,
-                 calibrate: bool = True, depths: int = 3, paced: bool = True):
+                 stream_depth: int = 32, stream_requests: int = 1000, budget: int | str = "auto", depth: int = 24,
+                 width: int = 2, top_k: int = 8, cap: int = 1 << 16, calibrate: bool = True, paced: bool = True):
         if mixing not in ("confidence", "fixed"):
             raise ValueError("mixing is 'confidence' or 'fixed'")
         if budget != "auto" and not (isinstance(budget, int) and budget >= 0):
@@ -71,32 +95,34 @@ class RecapDrafter(Drafter):
         self.orders = tuple(sorted(set(orders), reverse=True))  # most specific first
         if not self.orders or not set(self.orders) <= {1, 2, 3}:
             raise ValueError("orders is a non-empty subset of 1, 2, 3")
-        self.mixing, self.suffix, self.suffix_len = mixing, suffix, suffix_len
+        self.mixing, self.suffix = mixing, suffix
         self.weights = FIXED_WEIGHTS if mixing == "fixed" else tuple(weights)
         self.budget, self.depth, self.width, self.top_k = budget, depth, min(width, top_k), top_k
         self.banned = frozenset(banned)
-        self.cap = cap
-        self.paced = paced
+        self.stops = frozenset(stops)  # a drafted stop token is a leaf: the generation ends there
+        self.cap, self.paced, self.calibrate = cap, paced, calibrate
         self.vocab_size = vocab_size
         self.order1 = TokenTable(vocab_size)
-        self.calibration = Calibration(self.width, depths=depths) if calibrate else None
         self.stream = StreamMemory(self.banned, stream_depth, stream_requests)  # shared by every row of a batch
-        self.continuation = StreamCalibration()  # the stream lane's chances, learned with or without calibrate
-        self.placed = PlacedCalibration() if calibrate else None  # what placed nodes' chances turn out to be
+        # Untaught guesses: a stream continuation's chance is 3/4 of its share of occurrences; a remembered
+        # probability p (the model's confidence in an earlier context) is worth p^2: confident rows were right as
+        # often as they said, unsure ones far less (benchmarks/calibration.py, SmolLM2 and the demo model).
+        self.stream_chances = CellChances(STREAM_CELLS, weight=0.75)
+        self.row_chances = CellChances(ROW_CELLS, weight=1.0)  # of the guess p * p
+        self.placed = PlacedCalibration(lanes=2)
         self.own_request_state()
 
     def own_request_state(self) -> None:
         """Orders 2 and 3 and this request's place in the stream: never shared between rows."""
         self.keyed = {2: KeyedMemory(self.cap), 3: KeyedMemory(self.cap)}
-        self._mixed: dict[tuple[int, ...], tuple[list[Row], Candidates]] = {}  # mixtures of several rows
+        self._mixed: dict[tuple[int, ...], tuple[list[Row], Mixed]] = {}  # mixtures of several rows
         self.index = Cursor()  # where this request's text goes in the stream memory
         self.chances = [1.0]  # the last tree's path chances, node by node (what calibration checks read)
-        self._lanes: list[tuple[int, float]] = []  # the last tree's nodes' (lane, lane chance), in tree order
-        self._tail: tuple[int, ...] = ()
-        # Nodes whose candidates the last tree drafted from: (tree index, mixed candidates, stream candidates or
-        # None, the stream match length there, the candidates' depth); observe() grades them where the node was
-        # accepted.
-        self._tested: list[tuple[int, Candidates, tuple | None, int, int]] = []
+        self.trust = Trust()  # how this request's drafts have fared against their chances
+        # The last tree's nodes, in tree order: (key, stream position, match length, depth, candidates, placed),
+        # ``placed`` being (lane, lane chance) for the placed-node calibration.
+        self._nodes: list[list] = []
+        self._here: set[int] | tuple = ()  # this request's segments in the stream memory (set by ``propose``)
 
     @property
     def wants_costs(self) -> bool:
@@ -108,14 +134,20 @@ class RecapDrafter(Drafter):
         for memory in self.keyed.values():
             memory.clear()
         self._mixed.clear()
+        self.trust = Trust()
+        self.stream_chances.renew()
+        self.row_chances.renew()
+        self.placed.renew()
         if self.index.segs is not None:  # one request at a time: the last one has ended
             self.stream.finish(self.index.segs)
         self.index = Cursor()
         if self.suffix:
             self.index.segs = self.stream.begin()
+            self.index.seen = self.stream.unseen(prompt)
             self._write(prompt)
         if rows is not None:
-            self._store_rows(rows, [tuple(prompt[max(0, i - 2): i + 1]) for i in rows.positions])
+            self._store_rows(rows.ids.tolist(), rows.probs.tolist(),
+                             [tuple(prompt[max(0, i - 2): i + 1]) for i in rows.positions])
 
     def _write(self, context: list[int]) -> None:
         """The stream memory learns this request's text as it is committed."""
@@ -125,49 +157,59 @@ class RecapDrafter(Drafter):
             cursor.seen = len(context)
 
     def observe(self, tree: Tree, verified: Verified) -> None:
-        self._store_rows(verified.rows, self._node_keys(tree), verified.accepted_last(len(tree)))
-        self._grade(verified)
-        if self.placed is not None and len(self._lanes) == len(tree):
-            accepted = set(verified.path)
-            parents = tree.parents
+        nodes = self._nodes
+        if len(nodes) != len(tree):  # not this drafter's last tree (a test's hand-made one): keys from its paths
+            nodes = [[key, None, 0, 0, (), None, -1] for key in self._node_keys(tree)]
+        path = verified.path
+        if len(self.chances) == len(tree):
+            self.trust.observe(sum(self.chances) - 1.0, len(path) - 1)
+        self._store_rows(verified.rows.ids.tolist(), verified.rows.probs.tolist(), [node[0] for node in nodes],
+                         verified.accepted_last(len(tree)))
+        if self.calibrate:
+            self._grade(nodes, path, verified.argmax)
+            accepted, parents, placed = set(path), tree.parents, self.placed
             for i in range(1, len(tree)):
-                if parents[i] in accepted:  # a fair test of the node's own chance
-                    lane, p = self._lanes[i]
-                    self.placed.record(lane, p, i in accepted)
+                lane = nodes[i][5]
+                if lane is not None and parents[i] in accepted:  # a fair test of the node's own chance
+                    placed.record(lane[0], lane[1], i in accepted)
 
-    def _grade(self, verified: Verified) -> None:
-        """Every candidate of an accepted node was put to the test: it passed iff it is the argmax there."""
-        accepted = set(verified.path)
-        for i, cands, streamed, m, depth in self._tested:
-            if i not in accepted:
-                continue
-            best = verified.argmax[i]
-            if self.calibration is not None:
-                for rank, (token, prob) in enumerate(zip(cands[0], cands[1])):
-                    self.calibration.record(rank, prob, depth, token == best)
-            if streamed is not None:
-                tokens, negc, total = streamed
-                for rank in range(min(STREAM_RANKS, len(tokens))):
-                    self.continuation.record(m, -negc[rank] / total, rank, tokens[rank] == best)
+    def _grade(self, nodes: list[list], path: list[int], argmax: list[int]) -> None:
+        """Every candidate of an accepted node was put to the test: it passed iff it is the argmax there. Each
+        is graded in the class that gave its chance."""
+        stream, rows = self.stream_chances, self.row_chances
+        for i in path:
+            best = argmax[i]
+            for _, token, s_cell, r_cell in nodes[i][4]:
+                if s_cell >= 0:
+                    stream.record(s_cell, token == best)
+                else:
+                    rows.record(r_cell, token == best)
 
     def _node_keys(self, tree: Tree) -> list[tuple[int, ...]]:
         """Each node's last three path tokens: its tree ancestors, then committed text (the context tail)."""
-        keys = [self._tail]
+        keys = [self._tail if self._nodes else ()]
         for i in range(1, len(tree)):
             keys.append((keys[tree.parents[i]] + (tree.tokens[i],))[-3:])
         return keys
 
-    def _store_rows(self, rows: Rows, keys: list[tuple[int, ...]], order: Iterable[int] | None = None) -> None:
-        ids, probs = rows.ids.tolist(), rows.probs.tolist()  # lists as stored: read-only from here on
+    @property
+    def _tail(self) -> tuple[int, ...]:
+        return self._nodes[0][0]
+
+    def _store_rows(self, ids: list, probs: list, keys: list[tuple[int, ...]],
+                    order: Iterable[int] | None = None) -> None:
+        """Rows (lists, read-only from here on) under their keys; later rows overwrite earlier ones."""
         use1, use2, use3 = 1 in self.orders, 2 in self.orders, 3 in self.orders
         table, vocab = self.order1.rows, self.order1.vocab_size
         m2, m3 = self.keyed[2].rows, self.keyed[3].rows
         for i in (range(len(keys)) if order is None else order):
             key, row = keys[i], (ids[i], probs[i])
+            if not key:
+                continue
             if use1 and 0 <= key[-1] < vocab:
                 table[key[-1]] = row
             if len(key) == 3:
-                if use2:  # KeyedMemory.put inlined: re-inserting moves the key to the young end
+                if use2:  # re-inserting moves the key to the young end (KeyedMemory.put, inlined)
                     k = key[1:]
                     m2.pop(k, None)
                     m2[k] = row
@@ -183,43 +225,33 @@ class RecapDrafter(Drafter):
 
     def reset(self) -> None:
         self.order1.clear()
-        for memory in self.keyed.values():
-            memory.clear()
-        self._mixed.clear()
         self.stream.clear()
-        self.index = Cursor()
-        self.continuation.clear()
-        if self.calibration is not None:
-            self.calibration.clear()
-            self.placed.clear()
+        self.stream_chances.clear()
+        self.row_chances.clear()
+        self.placed.clear()
+        self.own_request_state()
 
     def state(self) -> dict:
-        """The order-1 table, the stream memory and the learned chances (recycled rows, stream continuations):
-        orders 2/3 reset per request."""
-        calibration = self.calibration.state() if self.calibration is not None else None
-        placed = self.placed.state() if self.placed is not None else None
-        return {"order1": self.order1.state(), "calibration": calibration, "continuation": self.continuation.state(),
-                "placed": placed, "stream": self.stream.state()}
+        """The order-1 table, the stream memory and the learned chances: orders 2/3 reset per request."""
+        return {"order1": self.order1.state(), "stream": self.stream.state(),
+                "stream_chances": self.stream_chances.state(), "row_chances": self.row_chances.state(),
+                "placed": self.placed.state()}
 
     def load_state(self, state: dict) -> None:
-        if not isinstance(state, dict) or set(state) != {"order1", "calibration", "continuation", "placed", "stream"}:
-            raise ValueError("a RECAP memory holds exactly 'order1', 'calibration', 'continuation', 'placed' and "
-                             "'stream'")
+        keys = {"order1", "stream", "stream_chances", "row_chances", "placed"}
+        if not isinstance(state, dict) or set(state) != keys:
+            raise ValueError("a RECAP memory holds exactly " + ", ".join(f"'{k}'" for k in sorted(keys)) +
+                             " (a memory file from an older recap: start without it)")
         check_table(state["order1"], self.order1.vocab_size)  # all checks first: a failure changes nothing
-        self.continuation.check_state(state["continuation"])
         self.stream.check_state(state["stream"], self.vocab_size)
-        use_calibration = state["calibration"] is not None and self.calibration is not None
-        use_placed = state["placed"] is not None and self.placed is not None
-        if use_placed:
-            self.placed.check_state(state["placed"])
-        if use_calibration:
-            self.calibration.check_state(state["calibration"])
-            self.calibration.load_state(state["calibration"])
-        if use_placed:
-            self.placed.load_state(state["placed"])
-        self.continuation.load_state(state["continuation"])
+        self.stream_chances.check_state(state["stream_chances"])
+        self.row_chances.check_state(state["row_chances"])
+        self.placed.check_state(state["placed"])
         self.order1.load_state(state["order1"])
         self.stream.load_state(state["stream"])
+        self.stream_chances.load_state(state["stream_chances"])
+        self.row_chances.load_state(state["row_chances"])
+        self.placed.load_state(state["placed"])
 
     # --- mixing ---------------------------------------------------------------------------------------------
 
@@ -227,9 +259,9 @@ class RecapDrafter(Drafter):
         """The rows this path's order-3, order-2 and order-1 keys find, most specific first."""
         found = []
         n = len(key)
-        for o in self.orders:  # plain dict/list reads: this runs once per drafted node
+        for o in self.orders:  # plain dict/list reads: this runs once per expanded node
             if o == 1:
-                row = self.order1.rows[key[-1]] if 0 <= key[-1] < self.order1.vocab_size else None
+                row = self.order1.rows[key[-1]] if n and 0 <= key[-1] < self.order1.vocab_size else None
             elif n >= o:
                 row = self.keyed[o].rows.get(key if o == n else key[-o:])
             else:
@@ -238,16 +270,15 @@ class RecapDrafter(Drafter):
                 found.append((o, row))
         return found
 
-    def mix(self, key: tuple[int, ...]) -> Candidates:
-        """(tokens, probabilities, rows found) of the candidates for the node whose path ends in ``key``, best
-        first. One row (the common case) is its own mixture and is returned as stored, without a copy."""
+    def mix(self, key: tuple[int, ...]) -> Mixed:
+        """(tokens, probabilities, rows found) of the recycled candidates for the node whose path ends in
+        ``key``, best first. One row (the common case) is its own mixture and is returned as stored."""
         found = self.rows_for(key)
         if len(found) == 1:
             ids, probs = found[0][1]
-            if self.banned.isdisjoint(ids):
-                return ids[: self.width], probs[: self.width], found
-        elif not found:
-            return NO_CANDIDATES
+            return ids[: self.width], probs[: self.width], found
+        if not found:
+            return NO_ROWS
         # A mixture is cached until one of the rows it mixed is overwritten (rows are never changed in place).
         cached = self._mixed.get(key)
         if cached is not None and len(cached[0]) == len(found) and all(a is b[1] for a, b in zip(cached[0], found)):
@@ -258,7 +289,7 @@ class RecapDrafter(Drafter):
         self._mixed[key] = ([row for _, row in found], out)
         return out
 
-    def _mix(self, found: list[tuple[int, Row]]) -> Candidates:
+    def _mix(self, found: list[tuple[int, Row]]) -> Mixed:
         if self.mixing == "fixed":
             ws = self.weights[: len(found)]
         else:  # conf = the row's top-1 probability
@@ -270,16 +301,15 @@ class RecapDrafter(Drafter):
             f = w / total
             for t, p in zip(ids, probs):
                 score[t] = get(t, 0.0) + f * p
-        best = [tp for tp in sorted(score.items(), key=itemgetter(1), reverse=True) if tp[0] not in self.banned]
-        best = best[: self.width]
+        best = sorted(score.items(), key=itemgetter(1), reverse=True)[: self.width]
         return [t for t, _ in best], [p for _, p in best], found
 
     def candidates(self, key: tuple[int, ...]) -> list[tuple[int, float, Source]]:
-        """The mixture as (token, probability, source) triples: for reading, not for the hot path."""
+        """The recycled mixture as (token, probability, source) triples: for reading, not for the hot path."""
         tokens, probs, found = self.mix(key)
-        return [(t, p, _origin(found, t)) for t, p in zip(tokens, probs)]
+        return [(t, p, _origin(found, t)) for t, p in zip(tokens, probs) if t not in self.banned]
 
-    # --- the stream lane ------------------------------------------------------------------------------------
+    # --- a node's candidates --------------------------------------------------------------------------------
 
     def _match(self) -> tuple[int | None, int]:
         """The stream position of the longest suffix of the context that occurred before (somewhere other than
@@ -298,200 +328,219 @@ class RecapDrafter(Drafter):
                 return pos, m
         return None, 0
 
-    def _streamed(self, pos: int, here: bool) -> tuple[list[int], list[int], int] | None:
-        """A stream position's continuations: tokens, minus their counts, and the occurrences they share
-        (``here``: the match at the root, whose own occurrence has no continuation yet)."""
-        tree = self.stream.tree
-        if pos >= 0:
-            toks, negc = tree.ranked(pos)
-            if not toks:
-                return None
-            return toks, negc, tree.count[pos] - here
-        kids = tree.children(pos)
-        return ([kids[0][0]], [-1], 1) if kids else None
+    def _candidates(self, key: tuple[int, ...], spos: int | None, m: int, deep: int) -> list[Candidate]:
+        """A node's candidates, best first: the stream's continuations of its match (``spos``, of length ``m``)
+        and its recycled rows, each token once, each with its learned chance; the chances add up to <= 1.
+        ``deep``: 0 at the root (whose own occurrence in the stream has no continuation yet), else 1. Runs once
+        per expanded node: buckets are inlined, chances read as a + b * guess from the cells' coefficients."""
+        banned = self.banned
+        streamed: dict[int, tuple[int, float]] = {}  # token -> (cell without the agree bit, share)
+        if spos is not None:
+            tree, here = self.stream.tree, self._here
+            mb = match_bucket(m)
+            if spos >= 0:
+                toks, negc = tree.ranked(spos)
+                total = tree.count[spos] - (not deep)
+                if total > 0:
+                    kids, source = tree.kids[spos], tree.source
+                    for rank in range(min(STREAM_RANKS, len(toks))):
+                        t = toks[rank]
+                        if t in banned:
+                            continue
+                        p = -negc[rank] / total
+                        b = 4 if p >= 0.95 else 3 if p >= 0.8 else 2 if p >= 0.5 else 1 if p >= 0.2 else 0
+                        own = 7 if source(kids[t]) in here else 0
+                        streamed[t] = (((own + mb) * 15 + (rank if rank < 2 else 2) * 5 + b) * 2, p)
+            else:  # inside a chain only one sequence holds: one continuation, every time
+                kids = tree.children(spos)
+                if kids and kids[0][0] not in banned:
+                    own = 7 if tree.source(spos) in here else 0
+                    streamed[kids[0][0]] = (((own + mb) * 15 + 4) * 2, 1.0)
+        out: list[Candidate] = []
+        total = 0.0
+        ids, probs, found = self.mix(key) if key else NO_ROWS
+        agree = ()
+        if ids:
+            a, b = self.row_chances.coefficients() if self.calibrate else (None, None)
+            base = (found[0][0] - 1) * 4
+            tail = deep * 2 + (1 if streamed else 0)
+            for rank in range(len(ids)):
+                t = ids[rank]
+                if t in streamed:
+                    agree = agree or set()
+                    agree.add(t)
+                    continue
+                if t in banned:
+                    continue
+                p = probs[rank]
+                cell = ((base + (rank if rank < 3 else 3)) * 5 +
+                        (4 if p >= 0.95 else 3 if p >= 0.8 else 2 if p >= 0.5 else 1 if p >= 0.2 else 0)) * 4 + tail
+                c = a[cell] + b[cell] * p * p if a is not None else p
+                total += c
+                out.append((c, t, -1, cell))
+        if streamed:
+            a, b = self.stream_chances.coefficients() if self.calibrate else (None, None)
+            for t, (cell, share) in streamed.items():
+                if t in agree:
+                    cell += 1
+                c = a[cell] + b[cell] * share if a is not None else share
+                total += c
+                out.append((c, t, cell, -1))
+        out.sort(reverse=True)
+        if total > 1.0:  # exclusive siblings
+            out = [(c[0] / total, c[1], c[2], c[3]) for c in out]
+        return out
+
+    def _bound(self) -> float:
+        """An upper bound on any candidate's placed chance: what a node waits at before its candidates are known."""
+        if not self.calibrate:
+            return 1.0
+        raw = max(self.stream_chances.bound(), self.row_chances.bound())
+        return self.placed.bound(raw)
 
     # --- the tree -------------------------------------------------------------------------------------------
 
-    def _chance(self):
-        """The calibrated chance of a recycled candidate as a closure over this step's coefficients (the same
-        figure as ``Calibration.chance``, without its bookkeeping: it runs for every candidate placed)."""
-        if self.calibration is None:
-            return _raw_chance
-        co, nd = self.calibration.coefficients(), self.calibration.depths
-
-        def chance(rank: int, p: float, depth: int) -> float:
-            a, b = co[rank * nd + (depth if depth < nd else nd) - 1][
-                3 if p >= 0.95 else 2 if p >= 0.8 else 1 if p >= 0.5 else 0]
-            return a + b * p
-
-        return chance
-
-    def _mapped(self):
-        """The placed-node calibration as a closure: a lane's chance -> what such nodes turned out to be worth."""
-        if self.placed is None:
-            return lambda lane, p: p
-        co = self.placed.coefficients()
-
-        def mapped(lane: int, p: float) -> float:
-            a, b = co[lane][min(int(p * 10), 9) if p > 0 else 0]
-            return a + b * p
-
-        return mapped
-
     def rest(self, context: list[int]) -> Tree:
         self._write(context)
-        self._lanes = []
-        self._tail, self._tested = tuple(context[-3:]), []  # observe() keys the root's row by the tail
+        self._nodes = [[tuple(context[-3:]), None, 0, 0, (), None, -1]]
+        self.chances = [1.0]
         return Tree.root(context[-1])
 
     def propose(self, context: list[int], room: int) -> Tree:
-        """Best-first growth over two lanes of candidates per node: its mixed recycled rows (in rank order;
-        only a node's best unplaced one waits in the heap, its next sibling takes its place when it is placed)
-        and, where the node's path is still an exact match in the stream memory, the continuations that
-        followed it there (most frequent first, likewise one at a time). A token both lanes propose is placed
-        once, at the better chance. With ``budget="auto"`` the tree stops growing when no bigger tree can beat
-        the best size so far (``SizeChooser``), and is cut to that best size.
-
-        A node's rows are mixed only when it is its turn to grow children: until then it waits in the heap at
-        its path chance times an upper bound on any first child's chance, so the order is exactly best-first
-        and the leaves a tree ends with cost no mixing."""
+        """Best-first growth: a node's best unplaced candidate waits in the heap at its path chance (its next
+        sibling takes its place when it is placed); a node waits to have its candidates worked out at its path
+        chance times ``_bound``, so the order is exactly best-first and the leaves cost nothing. With
+        ``budget="auto"`` the tree stops growing when no bigger tree can beat the best size so far
+        (``SizeChooser``), and is cut to that best size."""
         self._write(context)
-        self._tail = tail = tuple(context[-3:])
+        self._here = set(self.index.segs) if self.index.segs is not None else ()  # this request's own text
+        tail = tuple(context[-3:])
         max_depth = min(self.depth, room)
-        chance, mapped = self._chance(), self._mapped()
-        bound = 1.0 if self.calibration is None else self.calibration.first_child_bound()
-        bound = self.placed.bound(bound) if self.placed is not None else bound
-        stream_chance = self.continuation.chance
-        tree_s = self.stream.tree
-        here = set(self.index.segs) if self.index.segs is not None else ()
         spos, m = self._match() if self.suffix and max_depth > 0 else (None, 0)
-        tokens, parents, sources, chances, lanes = [context[-1]], [-1], [Source.ROOT], [1.0], [(0, 1.0)]
-        used = [0.0]  # the path chance a node's placed children have taken of its own
-        # The root's rows are always mixed: its candidates are graded every step, even when the tree stays a root.
-        keys, depths, cands = [tail], [0], [self.mix(tail) if max_depth > 0 else NO_CANDIDATES]
-        stream_pos = [spos]
-        streamed = [self._streamed(spos, True) if spos is not None else None]
-        children: dict[tuple[int, int], int] = {}
-        # (-chance, node, what): what >= 0 places the rank-`what` candidate of cands[node]; what <= STREAM places
-        # the stream candidate of rank STREAM - what; MIX mixes node's rows (its chance there is an upper bound).
-        # Each entry also carries the lane (its most specific recycled order - 1, or 3: the stream) and the chance
-        # the lane gave it, which the placed-node calibration maps and later grades.
-        frontier: list[tuple[float, int, int, int, float]] = []
-        if cands[0][0]:
-            raw, lane = chance(0, cands[0][1][0], 1), cands[0][2][0][0] - 1
-            frontier.append((-mapped(lane, raw), 0, 0, lane, raw))
-        if streamed[0] is not None:
-            toks0, negc0, total0 = streamed[0]
-            raw = stream_chance(m, -negc0[0] / total0, 0)
-            frontier.append((-mapped(3, raw), 0, STREAM, 3, raw))
-            heapq.heapify(frontier)
+        first = self._candidates(tail, spos, m, 0) if max_depth > 0 else []
+        # Per node: [key, stream position, match length, depth, candidates, (lane, lane chance) if placed, its row
+        # cell (-1: not from the rows)]
+        nodes: list[list] = [[tail, spos, m, 0, first, None, -1]]
+        tokens, parents, chances = [context[-1]], [-1], [1.0]
+        mapped = self.placed.coefficients() if self.calibrate else None
+        bound = self._bound()
+        tree_s, here = self.stream.tree, self._here
+        anchor = min(ANCHOR, tree_s.depth - 1)
         sizer = self.cost.chooser(self.paced) if self.wants_costs else None
-        budget = self.budget
+        budget, stops = self.budget, self.stops
         push, pop = heapq.heappush, heapq.heappop
+        # (-path chance, node, rank of the candidate it places, or MIX: work out the node's candidates)
+        frontier: list[tuple[float, int, int]] = [(-self._placed_chance(mapped, first[0]), 0, 0)] if first else []
+        trust = self.trust.factor if sizer is not None else 1.0
         while frontier:
             if sizer is not None:
-                if not sizer.worth_growing(-frontier[0][0]):
+                if not sizer.worth_growing(-frontier[0][0] * trust):
                     break
             elif len(tokens) > budget:
                 break
-            neg, parent, what, lane, raw = pop(frontier)
-            if what == MIX:
-                cands[parent] = found = self.mix(keys[parent])
-                if found[0]:
-                    r, ln = chance(0, found[1][0], depths[parent] + 1), found[2][0][0] - 1
-                    push(frontier, (-chances[parent] * mapped(ln, r), parent, 0, ln, r))
+            neg, parent, rank = pop(frontier)
+            node = nodes[parent]
+            if rank == MIX:
+                cands = node[4] = self._candidates(node[0], node[1], node[2], 1)
+                if cands:
+                    push(frontier, (-chances[parent] * self._placed_chance(mapped, cands[0]), parent, 0))
                 continue
-            # A node's children are exclusive (the model has one argmax there): their chances add up to at most
-            # 1. Two lanes calibrated apart can overshoot that, so a child gets at most what its better-placed
-            # siblings left, and waits its turn again at that figure.
-            left = chances[parent] - used[parent]
-            if -neg > left + 1e-12:
-                if left > 1e-9 * chances[parent]:
-                    push(frontier, (-left, parent, what, lane, raw))
-                continue
-            if what >= 0:
-                ranked, probs, found = cands[parent]
-                token = ranked[what]
-                source = ORDER_SOURCE[found[0][0]] if len(found) == 1 else _origin(found, token)
-                if what + 1 < len(ranked):
-                    r = chance(what + 1, probs[what + 1], depths[parent] + 1)
-                    push(frontier, (-chances[parent] * mapped(lane, r), parent, what + 1, lane, r))
-            else:
-                rank = STREAM - what
-                toks_s, negc_s, total_s = streamed[parent]
-                token = toks_s[rank]
-                if rank + 1 < min(STREAM_RANKS, len(toks_s)):
-                    r = stream_chance(m + depths[parent], -negc_s[rank + 1] / total_s, rank + 1)
-                    push(frontier, (-chances[parent] * mapped(3, r), parent, what - 1, 3, r))
-                if token in self.banned:
-                    continue
-                source = None
-            if (parent, token) in children:
-                continue
+            cands = node[4]
+            chance, token, s_cell, r_cell = cands[rank]
+            lane = STREAM_LANE if s_cell >= 0 else ROW_LANE
+            if rank + 1 < len(cands):
+                push(frontier, (-chances[parent] * self._placed_chance(mapped, cands[rank + 1]), parent, rank + 1))
             i = len(tokens)
-            children[(parent, token)] = i
-            sp = stream_pos[parent]
-            sp = tree_s.step(sp, token) if sp is not None else None
-            if source is None:
-                source = Source.SUFFIX if sp is not None and tree_s.source(sp) in here else Source.STREAM
             tokens.append(token)
             parents.append(parent)
-            sources.append(source)
             chances.append(-neg)
-            used[parent] += -neg
-            used.append(0.0)
-            lanes.append((lane, raw))
-            keys.append((keys[parent] + (token,))[-3:])
-            d = depths[parent] + 1
-            depths.append(d)
-            cands.append(NO_CANDIDATES)
-            stream_pos.append(sp)
-            s = self._streamed(sp, False) if sp is not None and d < max_depth and d < self.suffix_len else None
-            streamed.append(s)
-            if d < max_depth:
-                push(frontier, (neg * bound, i, MIX, 0, 0.0))
-                if s is not None:
-                    r = stream_chance(m + d, -s[1][0] / s[2], 0)
-                    push(frontier, (neg * mapped(3, r), i, STREAM, 3, r))
+            d = node[3] + 1
+            spos = node[1]
+            child = tree_s.step(spos, token) if spos is not None else None
+            cm = node[2] + 1 if child is not None else 0
+            if spos is not None and (child is None and node[2] + 1 >= tree_s.depth or cm >= tree_s.depth):
+                # At the memory's depth nothing continues: match the path's own last tokens afresh.
+                child, cm = self._reanchor(context, tokens, parents, i, anchor)
+            nodes.append([(node[0] + (token,))[-3:], child, cm, d, (), (lane, chance), r_cell])
+            if d < max_depth and token not in stops:
+                push(frontier, (neg * bound, i, MIX))
             if sizer is not None:
-                sizer.place(-neg)
+                sizer.place(-neg * trust)
         n = sizer.size if sizer is not None else len(tokens)
-        tree, where = _layout(tokens[:n], parents[:n], sources[:n])
-        self._tested = [(where[i], cands[i], streamed[i], m + depths[i], depths[i] + 1) for i in range(n)
-                        if cands[i][0] or streamed[i] is not None]
         self.grown = len(tokens)
-        self.chances = [0.0] * n  # each tree node's estimated path chance, for calibration checks
-        self._lanes = [(0, 1.0)] * n
-        for i in range(n):
-            self.chances[where[i]] = chances[i]
-            self._lanes[where[i]] = lanes[i]
+        return self._tree(tokens[:n], parents[:n], chances[:n], nodes[:n], here)
+
+    @staticmethod
+    def _placed_chance(mapped, cand: Candidate) -> float:
+        """A candidate's chance as placed nodes of its lane and chance turned out (the placed calibration)."""
+        if mapped is None:
+            return cand[0]
+        p = cand[0]
+        a, b = mapped[STREAM_LANE if cand[2] >= 0 else ROW_LANE][min(int(p * 10), 9) if p > 0 else 0]
+        return a + b * p
+
+    def _reanchor(self, context: list[int], tokens: list[int], parents: list[int], i: int,
+                  anchor: int) -> tuple[int | None, int]:
+        """Node ``i``'s path has outrun the stream memory's depth: match its last ``anchor`` tokens afresh."""
+        path = []
+        j = i
+        while j > 0 and len(path) < anchor:
+            path.append(tokens[j])
+            j = parents[j]
+        path.reverse()
+        if len(path) < anchor:
+            path = context[len(path) - anchor:] + path
+        pos = self.stream.tree.match(path)
+        return (pos, anchor) if pos is not None else (None, 0)
+
+    def _tree(self, tokens: list[int], parents: list[int], chances: list[float], nodes: list[list],
+              here) -> Tree:
+        """Lay the kept nodes out depth-first, best child first (best-first growth placed siblings best first),
+        so the top-1 chain sits at indices 0..d: when it is the accepted path the KV compaction is only a cut."""
+        n = len(tokens)
+        kids: list[list[int]] = [[] for _ in range(n)]
+        for i in range(1, n):
+            kids[parents[i]].append(i)
+        order, stack = [], [0]
+        while stack:
+            i = stack.pop()
+            order.append(i)
+            stack.extend(reversed(kids[i]))
+        where = [0] * n
+        for new, old in enumerate(order):
+            where[old] = new
+        tree = Tree([tokens[i] for i in order], [-1] + [where[parents[i]] for i in order[1:]],
+                    [Source.ROOT] + [self._source(nodes[i], here) for i in order[1:]])
+        self._nodes = [nodes[i] for i in order]
+        self.chances = [chances[i] for i in order]
         return tree
 
-
-def _layout(tokens: list[int], parents: list[int], sources: list[int]) -> tuple[Tree, list[int]]:
-    """Depth-first with the best child first, so the top-1 chain sits at indices 0..d: when it is the accepted
-    path the KV compaction is only a cut. Best-first growth places siblings best first, so a node's children
-    are already in order."""
-    n = len(tokens)
-    if n == 1:
-        return Tree([tokens[0]], [-1], [sources[0]]), [0]
-    kids: list[list[int]] = [[] for _ in range(n)]
-    for i in range(1, n):
-        kids[parents[i]].append(i)
-    tree = Tree([tokens[0]], [-1], [sources[0]])
-    new_index = [0] * n
-    stack = kids[0][::-1]  # the best is popped first
-    t_tokens, t_parents, t_sources = tree.tokens, tree.parents, tree.sources
-    while stack:
-        i = stack.pop()
-        new_index[i] = len(t_tokens)
-        t_tokens.append(tokens[i])
-        t_parents.append(new_index[parents[i]])
-        t_sources.append(sources[i])
-        if kids[i]:
-            stack.extend(kids[i][::-1])
-    return tree, new_index
+    def _source(self, node: list, here) -> Source:
+        """Who proposed a node, for the statistics: the stream (this request's own text: SUFFIX) or the recycled
+        rows, by the most specific order that had a row there (what its chance was learned for)."""
+        lane, cell = node[5][0], node[6]
+        if lane == STREAM_LANE:
+            pos = node[1]
+            return Source.SUFFIX if pos is not None and self.stream.tree.source(pos) in here else Source.STREAM
+        return ORDER_SOURCE[cell // ROW_ORDER_CELLS + 1]
 
 
-def _raw_chance(rank: int, p: float, depth: int) -> float:
-    return p
+class Trust:
+    """How far this request's trees have kept their promises: (drafted tokens emitted + k) / (expected + k) over
+    its steps so far, within [LOW, HIGH]. The learned chances are the run's averages; one request (a rewrite of a
+    passage whose phrases keep matching and never continue as they did, an answer that copies its prompt) can sit
+    far from them, and a tree sized on the averages would keep paying for nodes that do not come. Sizing scales
+    a tree's chances by it; the tree's shape and order do not change."""
+
+    LOW, HIGH, K = 0.25, 1.5, 4.0
+
+    def __init__(self) -> None:
+        self.expected = self.emitted = 0.0
+
+    def observe(self, expected: float, emitted: int) -> None:
+        self.expected += expected
+        self.emitted += emitted
+
+    @property
+    def factor(self) -> float:
+        return min(self.HIGH, max(self.LOW, (self.emitted + self.K) / (self.expected + self.K)))

@@ -3,7 +3,7 @@ this request's so far) in one suffix tree, so a draft can continue the longest e
 context wherever in the stream it occurred, with how often each continuation followed it.
 
 The longest context with the longest lifetime: orders 1-3 key rows by at most three tokens, this matches up to
-``depth`` (24) tokens, across requests. Bounded like SuffixDecoding's global tree: past ``max_requests`` requests
+``depth`` tokens (RECAP uses 32), across requests. Bounded like SuffixDecoding's global tree: past ``max_requests`` requests
 the oldest is evicted (its occurrences leave the counts). Image placeholders split the text into segments (a
 match never runs through an image). Shared by every row of a batch; each request writes its own segments.
 """
@@ -29,13 +29,31 @@ class Cursor:
 
 
 class StreamMemory:
-    def __init__(self, banned: Iterable[int] = (), depth: int = 16, max_requests: int = 1000):
+    def __init__(self, banned: Iterable[int] = (), depth: int = 32, max_requests: int = 1000):
         self.banned, self.depth, self.max_requests = frozenset(banned), depth, max_requests
         self.clear()
 
     def clear(self) -> None:
         self.tree = SuffixTree(self.depth, ordered=False)  # equal counts in any order: cheaper to append
         self.requests: deque[list[int]] = deque()  # each request's segment ids, oldest request first
+        self.last_prompt: list[int] = []
+
+    def unseen(self, prompt: list[int]) -> int:
+        """Where a new prompt's text must start being written: prompts in a stream share their start (the chat
+        template, the image, a conversation's earlier turns), which the previous prompt already wrote; writing it
+        again would cost O(depth) per token and only add counts where every request agrees anyway. Its last
+        ``depth`` shared tokens are written again (those after the last image placeholder among them), so every
+        suffix of the new text is a match this request holds."""
+        shared = 0
+        for a, b in zip(prompt, self.last_prompt):
+            if a != b:
+                break
+            shared += 1
+        self.last_prompt = list(prompt)
+        start = max(0, shared - self.depth)
+        # No match runs through an image placeholder: text before the last shared one is another segment.
+        last_image = next((i for i in range(shared - 1, start - 1, -1) if prompt[i] in self.banned), None)
+        return start if last_image is None else last_image + 1
 
     def begin(self) -> list[int]:
         """A new request: its (growing) list of segments; the oldest requests past the bound are evicted."""
@@ -81,11 +99,19 @@ class StreamMemory:
                 tokens.extend(self.tree.seqs[sid])
         return {"tokens": torch.tensor(tokens, dtype=torch.int32),
                 "lengths": torch.tensor(lengths, dtype=torch.int64),
-                "segments": torch.tensor(per_request, dtype=torch.int64)}
+                "segments": torch.tensor(per_request, dtype=torch.int64),
+                "last_prompt": torch.tensor(self.last_prompt, dtype=torch.int32)}
 
     def check_state(self, state, vocab_size: int) -> None:
-        if not isinstance(state, dict) or set(state) != {"tokens", "lengths", "segments"}:
-            raise ValueError("the stream memory must hold exactly 'tokens', 'lengths' and 'segments'")
+        """``last_prompt`` (where the next prompt's shared start ends) is optional: a merged memory has none."""
+        if not isinstance(state, dict) or not {"tokens", "lengths", "segments"} <= set(state) \
+                or not set(state) <= {"tokens", "lengths", "segments", "last_prompt"}:
+            raise ValueError("the stream memory must hold exactly 'tokens', 'lengths', 'segments' and optionally "
+                             "'last_prompt'")
+        last = state.get("last_prompt", torch.zeros(0, dtype=torch.int32))
+        if not isinstance(last, torch.Tensor) or last.dim() != 1 or last.dtype.is_floating_point \
+                or (last.numel() and (last.min() < 0 or last.max() >= vocab_size)):
+            raise ValueError("the stream memory's last prompt must be a 1-D tensor of token ids")
         tokens, lengths, segments = state["tokens"], state["lengths"], state["segments"]
         if not all(isinstance(t, torch.Tensor) and t.dim() == 1 and not t.dtype.is_floating_point
                    for t in (tokens, lengths, segments)):
@@ -108,6 +134,7 @@ class StreamMemory:
                 segs.append(OPEN)
                 at += length
             seg += n
+        self.last_prompt = state["last_prompt"].tolist() if "last_prompt" in state else []
 
 
 def _requests(state: dict[str, torch.Tensor] | None) -> list[list[list[int]]]:
