@@ -11,7 +11,7 @@ Two kinds of memory propose a node's children:
 
   with w_o a weight by the order's rank among the orders present (most specific first; 0.80/0.15/0.05) and
   conf_o the row's top-1 probability (``mixing="confidence"``), or fixed weights 0.70/0.20/0.10 by rank and no
-  confidence term (``mixing="fixed"``, the ablation).
+  confidence term (``mixing="fixed"``, the ablation); the mixture's best ``width`` (2) tokens are candidates.
 - **The stream memory** (recap_cli/drafters/stream.py): exact matches of the context, up to 32 tokens long,
   anywhere in the text the stream has seen (this request's and earlier requests' prompts and answers), with how
   often each continuation followed. The longest match wins; a continuation drafted past the memory's depth
@@ -19,7 +19,8 @@ Two kinds of memory propose a node's children:
 
 A candidate's chance of acceptance is learned from the verifier's verdicts (every candidate of an accepted node
 was put to the test: the one equal to the model's argmax there would have been accepted) per evidence class:
-for the stream, the match length, rank and share of occurrences, and whether the recycled rows agree; for rows,
+for the stream, whose text the continuation last occurred in (this request's or another's), the match length,
+rank and share of occurrences, and whether the recycled rows agree; for rows,
 the most specific order present, rank, probability, depth and whether the stream proposed something else
 (recap_cli/drafters/calibration.py ``CellChances``); then once more per placed node (``PlacedCalibration``),
 against the winner's curse of keeping only the best-looking candidates. A node's children are exclusive (the
@@ -30,7 +31,9 @@ emits are 1 + the sum of its nodes' path chances. A node's candidates are worked
 grow children (until then it waits at its path chance times an upper bound on any child's), so the leaves a tree
 ends with cost nothing. With ``budget="auto"`` (the default) the tree stops growing where no bigger tree can add
 more expected tokens than the run earns in the time it costs, and is cut to the best size (recap_cli/decoding/
-cost.py), down to the root alone: a plain greedy step where nothing is predictable enough.
+cost.py), down to the root alone: a plain greedy step where nothing is predictable enough. A request whose trees
+keep falling short of their chances scales them down for its own sizing (``Trust``); a drafted end-of-answer
+token is a leaf.
 """
 
 from __future__ import annotations
@@ -119,8 +122,8 @@ class RecapDrafter(Drafter):
         self.index = Cursor()  # where this request's text goes in the stream memory
         self.chances = [1.0]  # the last tree's path chances, node by node (what calibration checks read)
         self.trust = Trust()  # how this request's drafts have fared against their chances
-        # The last tree's nodes, in tree order: (key, stream position, match length, depth, candidates, placed),
-        # ``placed`` being (lane, lane chance) for the placed-node calibration.
+        # The last tree's nodes, in tree order: [key, stream position, match length, depth, candidates, placed, row
+        # cell], ``placed`` being (lane, lane chance) for the placed-node calibration (None at the root).
         self._nodes: list[list] = []
         self._here: set[int] | tuple = ()  # this request's segments in the stream memory (set by ``propose``)
 
@@ -187,14 +190,10 @@ class RecapDrafter(Drafter):
 
     def _node_keys(self, tree: Tree) -> list[tuple[int, ...]]:
         """Each node's last three path tokens: its tree ancestors, then committed text (the context tail)."""
-        keys = [self._tail if self._nodes else ()]
+        keys = [self._nodes[0][0] if self._nodes else ()]  # the last proposal's context tail
         for i in range(1, len(tree)):
             keys.append((keys[tree.parents[i]] + (tree.tokens[i],))[-3:])
         return keys
-
-    @property
-    def _tail(self) -> tuple[int, ...]:
-        return self._nodes[0][0]
 
     def _store_rows(self, ids: list, probs: list, keys: list[tuple[int, ...]],
                     order: Iterable[int] | None = None) -> None:
