@@ -3,9 +3,10 @@ this request's so far) in one suffix tree, so a draft can continue the longest e
 context wherever in the stream it occurred, with how often each continuation followed it.
 
 The longest context with the longest lifetime: orders 1-3 key rows by at most three tokens, this matches up to
-``depth`` tokens (RECAP uses 32), across requests. Bounded like SuffixDecoding's global tree: past ``max_requests`` requests
-the oldest is evicted (its occurrences leave the counts). Image placeholders split the text into segments (a
-match never runs through an image). Shared by every row of a batch; each request writes its own segments.
+``depth`` tokens (RECAP uses 32), across requests. Bounded like SuffixDecoding's global tree: past
+``max_requests`` requests the oldest is evicted (its occurrences leave the counts). Image placeholders split the
+text into segments (a match never runs through an image). Shared by every row of a batch; each request writes its
+own segments.
 """
 
 from __future__ import annotations
