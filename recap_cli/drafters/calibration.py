@@ -10,13 +10,6 @@ from __future__ import annotations
 
 import torch
 
-SHARES = (0.2, 0.5, 0.8, 0.95)  # a probability or a share of occurrences -> bucket 0..4
-
-
-def share_bucket(p: float) -> int:
-    return 4 if p >= 0.95 else 3 if p >= 0.8 else 2 if p >= 0.5 else 1 if p >= 0.2 else 0
-
-
 MATCHES = (1, 2, 3, 4, 6, 9, 13)  # length of an exact match in the stream -> bucket 0..6 (13 and longer: the last)
 
 
@@ -25,17 +18,19 @@ def match_bucket(m: int) -> int:
 
 
 class Counts:
-    """Hits and tries in a (rows, cols) grid of evidence classes; saved and loaded with a run's memory."""
+    """Hits and tries per evidence class, in a grid of ``shape`` (cells, or rows x cols); saved and loaded with a
+    run's memory."""
 
-    def __init__(self, rows: int, cols: int):
-        self.shape = (rows, cols)
+    what = "the calibration counts"  # what a damaged memory's error names
+
+    def __init__(self, *shape: int):
+        self.shape = shape
         self.clear()
 
     def clear(self) -> None:
-        self.hits = [[0.0] * self.shape[1] for _ in range(self.shape[0])]
-        self.tries = [[0.0] * self.shape[1] for _ in range(self.shape[0])]
+        self.hits = torch.zeros(self.shape, dtype=torch.float64).tolist()
+        self.tries = torch.zeros(self.shape, dtype=torch.float64).tolist()
         self._coefficients = None
-        self._bound = None
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"hits": torch.tensor(self.hits, dtype=torch.float64),
@@ -44,14 +39,14 @@ class Counts:
     def check_state(self, state) -> None:
         """A ValueError unless ``state`` is what ``state()`` gives: same shape, finite, 0 <= hits <= tries."""
         if not isinstance(state, dict) or set(state) != {"hits", "tries"}:
-            raise ValueError("the calibration must hold exactly 'hits' and 'tries'")
+            raise ValueError(f"{self.what} must hold exactly 'hits' and 'tries'")
         hits, tries = state["hits"], state["tries"]
         if not all(isinstance(t, torch.Tensor) and t.dtype.is_floating_point and tuple(t.shape) == self.shape
                    for t in (hits, tries)):
-            raise ValueError(f"the calibration counts must be two float tensors of shape {self.shape}")
+            raise ValueError(f"{self.what} must be two float tensors of shape {self.shape}")
         finite = torch.isfinite(hits).all() and torch.isfinite(tries).all()
         if not finite or (hits < 0).any() or (hits > tries).any():
-            raise ValueError("the calibration counts must be finite with 0 <= hits <= tries")
+            raise ValueError(f"{self.what} must be finite with 0 <= hits <= tries")
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         self.check_state(state)
@@ -97,6 +92,8 @@ class PlacedCalibration(Counts):
     0.1-0.2 accepted half as often). This maps each lane's chance to what placed nodes with that chance turned
     out to be worth, bucket by bucket, starting at the lane's own figure (``prior`` observations)."""
 
+    _bound: tuple | None = None  # (the coefficients, most, the bound), kept while the coefficients stand
+
     def __init__(self, lanes: int = 2, prior: float = 8.0, refresh: int = 32):
         self.prior, self.refresh = prior, refresh
         self._since = 0
@@ -136,7 +133,7 @@ class PlacedCalibration(Counts):
         self._since += 1
 
 
-class CellChances:
+class CellChances(Counts):
     """P(a candidate is accepted | its node was) per evidence class (a *cell*), learned from graded candidates,
     each cell shrunk towards its coarser *parent* class, and the parent towards a guess made from the candidate's
     own figure (a remembered probability, a share of occurrences):
@@ -150,19 +147,19 @@ class CellChances:
     rebuilding them every step would cost more than drafting). Only fine counts are kept; a parent's are the sums
     of its cells'."""
 
+    what = "learned chances"
+    _bound: tuple | None = None  # (the coefficients, the bound), kept while the coefficients stand
+
     def __init__(self, parents: list[int], weight: float = 0.5, k_cell: float = 4.0, k_parent: float = 4.0,
                  refresh: int = 256):
         self.parents, self.weight, self.k_cell, self.k_parent = parents, weight, k_cell, k_parent
         self.refresh = refresh
         self._groups = max(parents) + 1
-        self.clear()
+        super().__init__(len(parents))
 
     def clear(self) -> None:
-        self.hits = [0.0] * len(self.parents)
-        self.tries = [0.0] * len(self.parents)
+        super().clear()
         self._since = self.refresh
-        self._coefficients: tuple[list[float], list[float]] | None = None
-        self._bound: tuple | None = None
 
     def record(self, cell: int, hit: bool) -> None:
         self.tries[cell] += 1
@@ -175,10 +172,6 @@ class CellChances:
         as the run that saved it would have gone on."""
         if self._since:
             self._since = self.refresh
-
-    def chance(self, cell: int, guess: float) -> float:
-        a, b = self.coefficients()
-        return a[cell] + b[cell] * guess
 
     def coefficients(self) -> tuple[list[float], list[float]]:
         """(a, b) per cell: the chance is a + b * guess. Rebuilt once ``refresh`` records came in since the last
@@ -204,22 +197,3 @@ class CellChances:
             a, b = coefficients
             self._bound = (coefficients, min(1.0, max(x + y for x, y in zip(a, b))))
         return self._bound[1]
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {"hits": torch.tensor(self.hits, dtype=torch.float64),
-                "tries": torch.tensor(self.tries, dtype=torch.float64)}
-
-    def check_state(self, state) -> None:
-        if not isinstance(state, dict) or set(state) != {"hits", "tries"}:
-            raise ValueError("learned chances must hold exactly 'hits' and 'tries'")
-        hits, tries = state["hits"], state["tries"]
-        if not all(isinstance(t, torch.Tensor) and t.dtype.is_floating_point and tuple(t.shape) == (len(self.parents),)
-                   for t in (hits, tries)):
-            raise ValueError(f"learned chances must be two float tensors of shape ({len(self.parents)},)")
-        if not (torch.isfinite(hits).all() and torch.isfinite(tries).all()) or (hits < 0).any() or (hits > tries).any():
-            raise ValueError("learned chances must be finite with 0 <= hits <= tries")
-
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.check_state(state)
-        self.hits, self.tries = state["hits"].tolist(), state["tries"].tolist()
-        self._coefficients = None

@@ -44,7 +44,7 @@ from operator import itemgetter
 
 from ..decoding.tree import Rows, Source, Tree, Verified
 from .base import Drafter
-from .calibration import CellChances, PlacedCalibration, match_bucket, share_bucket
+from .calibration import CellChances, PlacedCalibration, match_bucket
 from .memory import KeyedMemory, Row, TokenTable, check_table
 from .stream import Cursor, StreamMemory
 
@@ -62,13 +62,14 @@ MIX = -1  # a heap entry that works out a node's candidates (its chance is a bou
 
 # Evidence classes (cells) and their parents, as flat indices.
 # Stream: where the continuation last occurred, this request's own text or another request's (2) x match-length
-# bucket (7) x rank 0 / 1 / 2+ (3) x share bucket (5) x rows agree (2); parent: own x match bucket x rank > 0 x
-# agree. A long match can be the chat template every request shares; own text (a copied passage, a repeated
-# phrase) continues differently from what other requests' answers did.
+# bucket (7) x rank 0 / 1 / 2+ (3) x share bucket (5; edges 0.2, 0.5, 0.8, 0.95, inlined in ``_candidates``) x
+# rows agree (2); parent: own x match bucket x rank > 0 x agree. A long match can be the chat template every
+# request shares; own text (a copied passage, a repeated phrase) continues differently from what other requests'
+# answers did.
 STREAM_CELLS = [(((own * 7 + m) * 2 + (r > 0)) * 2 + agree) for own in range(2) for m in range(7) for r in range(3)
                 for s in range(5) for agree in range(2)]
-# Rows: order 1/2/3 (3) x rank 0..3+ (4) x probability bucket (5) x below the root (2) x the stream proposed
-# something else (2); parent: order x rank x stream.
+# Rows: order 1/2/3 (3) x rank 0..3+ (4) x probability bucket (5, the same edges) x below the root (2) x the
+# stream proposed something else (2); parent: order x rank x stream.
 ROW_CELLS = [((o * 4 + r) * 2 + other) for o in range(3) for r in range(4) for p in range(5) for deep in range(2)
              for other in range(2)]
 ROW_ORDER_CELLS = len(ROW_CELLS) // 3  # cells per order: a row cell's order is cell // ROW_ORDER_CELLS + 1
@@ -423,7 +424,7 @@ class RecapDrafter(Drafter):
         tokens, parents, chances = [context[-1]], [-1], [1.0]
         mapped = self.placed.coefficients() if self.calibrate else None
         bound = self._bound()
-        tree_s, here = self.stream.tree, self._here
+        tree_s = self.stream.tree
         anchor = min(ANCHOR, tree_s.depth - 1)
         sizer = self.cost.chooser(self.paced) if self.wants_costs else None
         budget, stops = self.budget, self.stops
@@ -467,7 +468,7 @@ class RecapDrafter(Drafter):
                 sizer.place(-neg * trust)
         n = sizer.size if sizer is not None else len(tokens)
         self.grown = len(tokens)
-        return self._tree(tokens[:n], parents[:n], chances[:n], nodes[:n], here)
+        return self._tree(tokens[:n], parents[:n], chances[:n], nodes[:n])
 
     @staticmethod
     def _placed_chance(mapped, cand: Candidate) -> float:
@@ -492,8 +493,7 @@ class RecapDrafter(Drafter):
         pos = self.stream.tree.match(path)
         return (pos, anchor) if pos is not None else (None, 0)
 
-    def _tree(self, tokens: list[int], parents: list[int], chances: list[float], nodes: list[list],
-              here) -> Tree:
+    def _tree(self, tokens: list[int], parents: list[int], chances: list[float], nodes: list[list]) -> Tree:
         """Lay the kept nodes out depth-first, best child first (best-first growth placed siblings best first),
         so the top-1 chain sits at indices 0..d: when it is the accepted path the KV compaction is only a cut."""
         n = len(tokens)
@@ -509,18 +509,18 @@ class RecapDrafter(Drafter):
         for new, old in enumerate(order):
             where[old] = new
         tree = Tree([tokens[i] for i in order], [-1] + [where[parents[i]] for i in order[1:]],
-                    [Source.ROOT] + [self._source(nodes[i], here) for i in order[1:]])
+                    [Source.ROOT] + [self._source(nodes[i]) for i in order[1:]])
         self._nodes = [nodes[i] for i in order]
         self.chances = [chances[i] for i in order]
         return tree
 
-    def _source(self, node: list, here) -> Source:
+    def _source(self, node: list) -> Source:
         """Who proposed a node, for the statistics: the stream (this request's own text: SUFFIX) or the recycled
         rows, by the most specific order that had a row there (what its chance was learned for)."""
         lane, cell = node[5][0], node[6]
         if lane == STREAM_LANE:
             pos = node[1]
-            return Source.SUFFIX if pos is not None and self.stream.tree.source(pos) in here else Source.STREAM
+            return Source.SUFFIX if pos is not None and self.stream.tree.source(pos) in self._here else Source.STREAM
         return ORDER_SOURCE[cell // ROW_ORDER_CELLS + 1]
 
 
