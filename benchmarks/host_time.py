@@ -3,6 +3,7 @@ the tree mask), for trees of a given size with the memories of a real run.
 
     python benchmarks/host_time.py --model demo --budget 64 [--json runs/host_time.json]
     python benchmarks/host_time.py --budget 64,auto --before 9edef0e   # this tree against an older commit
+    python benchmarks/host_time.py --budget auto --costs fixed --before 9edef0e   # same sizing on both sides
 
 With ``--before REF`` the same measurement runs on the drafter code of git commit REF and on this tree, each in
 its own process, alternating ``--rounds`` times, and the table gives both (medians over rounds): before and
@@ -13,6 +14,11 @@ half; then replays those calls (same trees, the memories as they were) ``--reps`
 per-step time of each part. Replaying the recorded calls times the host's work alone: the model runs once, so
 the figures do not depend on how busy the machine's cores are with the forward passes. Everything the host does
 between two forwards counts against the step (the design budget: at most 0.4 ms at 64 nodes).
+
+At ``--budget auto`` the tree sizes follow the run's cost model, which learns from timings: two processes on a
+busy machine size trees differently and their host times are not comparable. ``--costs fixed`` freezes the cost
+model at the demo model's step costs on a 2-core CPU and the drafting cost per node, so both sides see the same
+costs and any difference in size comes from the drafting code itself.
 """
 
 from __future__ import annotations
@@ -38,6 +44,26 @@ from recap_cli.models import load  # noqa: E402
 from recap_cli.session import Session  # noqa: E402
 
 from acceptance import read_requests  # noqa: E402
+from recap_cli.decoding.cost import StepCost  # noqa: E402
+
+# The demo model's verification step on 2 idle CPU cores, fp32, by tree size (a chain tree per size, medians of
+# 7 steps): milliseconds for 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64 nodes; drafting 20 us per node.
+FIXED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+FIXED_STEP_MS = (5.6, 6.8, 7.0, 7.5, 7.6, 7.6, 8.5, 8.6, 10.0, 11.0, 13.0, 15.0)
+FIXED_HOST_PER_NODE_S = 20e-6
+
+
+def fixed_costs() -> StepCost:
+    """A frozen cost model: no timing moves it, so the same calls size the same trees in any process."""
+    cost = StepCost(FIXED_SIZES, alpha=0.0)
+    cost.set([ms / 1000 for ms in FIXED_STEP_MS])
+    cost.host_per_node = FIXED_HOST_PER_NODE_S
+    cost.observe_host = _not_learned
+    return cost
+
+
+def _not_learned(nodes: int, seconds: float) -> None:
+    """The fixed cost model's drafting cost per node stays as given."""
 
 
 class Recorder:
@@ -85,13 +111,15 @@ def replay(drafter, calls, engine) -> dict[str, list[float]]:
 
 
 def measure(model: str, inputs: list[Path], budget: str, max_new_tokens: int, limit: int, reps: int,
-            method: str = "recap") -> dict:
+            method: str = "recap", costs: str = "measured") -> dict:
     """Fill the memories over the first half of the requests, record the second half's drafter calls, replay
     them ``reps`` times: median per-step milliseconds of each part."""
     adapter = load(model, device="cpu", dtype="fp32")
     requests = read_requests(inputs, limit)
     knobs = {} if method == "suffix" else {"budget": budget if budget == "auto" else int(budget)}
     session = Session(adapter, method, **knobs)
+    if costs == "fixed":
+        session.engine.cost = fixed_costs()
     half = len(requests) // 2
     for req in requests[:half]:  # fill the memories as a real run does
         answer_with_tokens(session, req, model, max_new_tokens)
@@ -105,7 +133,8 @@ def measure(model: str, inputs: list[Path], budget: str, max_new_tokens: int, li
     ms = {part: 1000 * statistics.median(sum(r[part]) / steps for r in per_rep)
           for part in ("propose", "observe", "inputs")}
     return {"method": method, "budget": budget, "steps": steps, "nodes_per_step": statistics.mean(per_rep[0]["nodes"]),
-            "ms_per_step": ms, "drafting_ms": ms["propose"] + ms["observe"], "threads": torch.get_num_threads()}
+            "ms_per_step": ms, "drafting_ms": ms["propose"] + ms["observe"], "threads": torch.get_num_threads(),
+            "costs": costs}
 
 
 def checkout(ref: str) -> Path:
@@ -133,16 +162,18 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--limit", type=int, default=1000, help="requests per input file")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--costs", choices=("measured", "fixed"), default="measured",
+                    help="fixed: a frozen cost model, so trees at --budget auto are sized alike on both sides")
     ap.add_argument("--before", default=None, help="git commit whose recap_cli to measure beside this tree's")
     ap.add_argument("--rounds", type=int, default=2, help="with --before: alternating processes per side")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     common = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--limit", str(args.limit),
-              "--reps", str(args.reps), "--inputs", *map(str, args.inputs)]
+              "--reps", str(args.reps), "--costs", args.costs, "--inputs", *map(str, args.inputs)]
     if args.inner:
         print(orjson.dumps(measure(args.model, args.inputs, args.budget, args.max_new_tokens, args.limit, args.reps,
-                                   args.method)).decode())
+                                   args.method, args.costs)).decode())
         return
     sides = {"after": ROOT} if args.before is None else {"before": checkout(args.before), "after": ROOT}
     results = []
@@ -155,6 +186,7 @@ def main() -> None:
         for side, got in runs.items():
             ms = {p: statistics.median(r["ms_per_step"][p] for r in got) for p in ("propose", "observe", "inputs")}
             row = {"side": side, "ref": args.before if side == "before" else "this tree", "budget": budget,
+                   "costs": args.costs,
                    "method": got[0]["method"], "steps": got[0]["steps"], "nodes_per_step": got[0]["nodes_per_step"],
                    "ms_per_step": ms, "drafting_ms": ms["propose"] + ms["observe"], "rounds": len(got)}
             results.append(row)

@@ -266,7 +266,7 @@ def test_calibration_learns_that_overconfident_memories_fail():
     assert len(tree) == 1
 
     def chances():
-        return {token: chance for chance, token, _, _ in d._candidates((1, 2, 3), None, 0, 0)}
+        return {token: chance for chance, token, *_ in d._candidates((1, 2, 3), None, 0, 0)}
 
     before = chances()
     assert before[4] == pytest.approx(0.6 ** 2, rel=1e-4) and before[23] == pytest.approx(0.2 ** 2, rel=1e-4)
@@ -278,7 +278,7 @@ def test_calibration_learns_that_overconfident_memories_fail():
     assert after[4] < before[4] / 2 and after[23] > 2 * before[23]
     raw = _seeded_chain_drafter(budget=0, depth=4, suffix=False, calibrate=False)
     raw.propose([1, 2, 3], room=100)
-    assert {t: c for c, t, _, _ in raw._candidates((1, 2, 3), None, 0, 0)} == pytest.approx({4: 0.6, 23: 0.2}, rel=1e-4)
+    assert {t: c for c, t, *_ in raw._candidates((1, 2, 3), None, 0, 0)} == pytest.approx({4: 0.6, 23: 0.2}, rel=1e-4)
 
 
 def test_cost_cut_keeps_the_root_alone_when_chances_are_low_and_nodes_cost():

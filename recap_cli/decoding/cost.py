@@ -550,8 +550,10 @@ class SizeChooser:
         self.grid = _checkpoints(self.limit, tuple(grid))
         self.chances: list[float] = []  # of the nodes placed, in order
         self.stopped = False  # growth ended because no bigger tree could pay (not for want of candidates)
+        self._threshold: float | None = None
 
     def place(self, chance: float) -> None:
+        self._threshold = None
         self.n += 1
         self.expected += chance
         self.chances.append(chance)
@@ -574,6 +576,21 @@ class SizeChooser:
                 return True
             a = b
         return False
+
+    def threshold(self) -> float:
+        """A chance above which growth surely goes on: the first grid segment's bound solved for the chance
+        (it is linear in it). It moves only when a node is placed, so a drafter compares the chances it pops
+        against it and asks ``worth_growing``, which checks every segment, only below it."""
+        if self._threshold is None:
+            n = self.n
+            self._threshold = math.inf
+            if n < self.limit and n < 2 * self.size + 4:
+                b = self.grid[bisect.bisect_right(self.grid, n)]
+                seconds = self.t[n + 1]
+                need = self.best * seconds if self.rate is None else self.best + self.rate * seconds
+                if need < math.inf:  # an untimed size (or an undefined bound): ask worth_growing
+                    self._threshold = (need - self.expected) / (b - n)
+        return self._threshold
 
 
 @lru_cache(maxsize=64)

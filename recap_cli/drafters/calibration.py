@@ -142,28 +142,52 @@ class CellChances(Counts):
         chance    = (hits_c + k_c * parent(g)) / (tries_c + k_c)
 
     A fine cell separates what matters (a 12-token match from a 2-token one) but starts empty; its parent has
-    data sooner. Both are linear in the guess g, so drafting reads ``a + b * g`` per cell from ``coefficients``,
-    rebuilt every ``refresh`` records (estimates move slowly: reading stale ones for a few steps costs nothing,
-    rebuilding them every step would cost more than drafting). Only fine counts are kept; a parent's are the sums
-    of its cells'."""
+    data sooner. Both are linear in the guess g, so drafting reads ``a + b * guess`` per cell from
+    ``coefficients``, rebuilt every ``refresh`` records (estimates move slowly: reading stale ones for a few
+    steps costs nothing, rebuilding them every step would cost more than drafting). A rebuild redoes only the
+    parents that were recorded in since the last one: a cell's coefficients depend on its own counts and its
+    parent's alone. The parents' counts are kept as sums of their cells' (integers: exact in any order)."""
 
     what = "learned chances"
-    _bound: tuple | None = None  # (the coefficients, the bound), kept while the coefficients stand
 
     def __init__(self, parents: list[int], weight: float = 0.5, k_cell: float = 4.0, k_parent: float = 4.0,
                  refresh: int = 256):
         self.parents, self.weight, self.k_cell, self.k_parent = parents, weight, k_cell, k_parent
         self.refresh = refresh
         self._groups = max(parents) + 1
+        self._members: list[list[int]] = [[] for _ in range(self._groups)]
+        for cell, parent in enumerate(parents):
+            self._members[parent].append(cell)
         super().__init__(len(parents))
 
     def clear(self) -> None:
         super().clear()
+        self._restart()
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        super().load_state(state)
+        self._restart()
+
+    def _restart(self) -> None:
+        """The parents' sums from the counts, and every parent to rebuild at the next read."""
+        ph, pt = [0.0] * self._groups, [0.0] * self._groups
+        for p, h, t in zip(self.parents, self.hits, self.tries):
+            ph[p] += h
+            pt[p] += t
+        self._parent_hits, self._parent_tries = ph, pt
+        self._a, self._b = [0.0] * len(self.parents), [0.0] * len(self.parents)
+        self._top = [0.0] * self._groups  # per parent: the largest a + b among its cells (the bound's parts)
+        self._dirty = set(range(self._groups))
         self._since = self.refresh
+        self._bound: float | None = None
 
     def record(self, cell: int, hit: bool) -> None:
         self.tries[cell] += 1
         self.hits[cell] += hit
+        parent = self.parents[cell]
+        self._parent_tries[parent] += 1
+        self._parent_hits[parent] += hit
+        self._dirty.add(parent)
         self._since += 1
 
     def renew(self) -> None:
@@ -175,25 +199,29 @@ class CellChances(Counts):
 
     def coefficients(self) -> tuple[list[float], list[float]]:
         """(a, b) per cell: the chance is a + b * guess. Rebuilt once ``refresh`` records came in since the last
-        build (or on the first read)."""
+        build (or on the first read), in place: the same two lists, read by index."""
         if self._coefficients is None or self._since >= self.refresh:
             self._since = 0
-            parents, hits, tries = self.parents, self.hits, self.tries
-            ph, pt = [0.0] * self._groups, [0.0] * self._groups
-            for p, h, t in zip(parents, hits, tries):
-                ph[p] += h
-                pt[p] += t
+            hits, tries, a, b = self.hits, self.tries, self._a, self._b
             kc, kp, w = self.k_cell, self.k_parent, self.weight
-            rate = [kc * h / (t + kp) for h, t in zip(ph, pt)]  # k_cell * the parent's a
-            slope = [kc * kp * w / (t + kp) for t in pt]  # k_cell * the parent's b
-            self._coefficients = ([(h + rate[p]) / (t + kc) for p, h, t in zip(parents, hits, tries)],
-                                  [slope[p] / (t + kc) for p, t in zip(parents, tries)])
+            for parent in self._dirty:
+                t_p = self._parent_tries[parent]
+                rate = kc * self._parent_hits[parent] / (t_p + kp)  # k_cell * the parent's a
+                slope = kc * kp * w / (t_p + kp)  # k_cell * the parent's b
+                top = 0.0
+                for cell in self._members[parent]:
+                    a[cell] = x = (hits[cell] + rate) / (tries[cell] + kc)
+                    b[cell] = y = slope / (tries[cell] + kc)
+                    top = max(top, x + y)
+                self._top[parent] = top
+            self._dirty.clear()
+            self._coefficients = (a, b)
+            self._bound = None
         return self._coefficients
 
     def bound(self) -> float:
         """The largest chance any cell gives any guess (guesses are <= 1), kept with the coefficients."""
-        coefficients = self.coefficients()
-        if self._bound is None or self._bound[0] is not coefficients:
-            a, b = coefficients
-            self._bound = (coefficients, min(1.0, max(x + y for x, y in zip(a, b))))
-        return self._bound[1]
+        self.coefficients()
+        if self._bound is None:
+            self._bound = min(1.0, max(self._top))
+        return self._bound

@@ -47,6 +47,7 @@ from .base import Drafter
 from .calibration import CellChances, PlacedCalibration, match_bucket
 from .memory import KeyedMemory, Row, TokenTable, check_table
 from .stream import Cursor, StreamMemory
+from .suffix_tree import SPAN
 
 FIXED_WEIGHTS = (0.70, 0.20, 0.10)
 # Rank weights for confidence mixing: chosen on SmolLM2-135M over the text prompts of sample_inputs/bench among
@@ -74,8 +75,11 @@ ROW_CELLS = [((o * 4 + r) * 2 + other) for o in range(3) for r in range(4) for p
              for other in range(2)]
 ROW_ORDER_CELLS = len(ROW_CELLS) // 3  # cells per order: a row cell's order is cell // ROW_ORDER_CELLS + 1
 STREAM_LANE, ROW_LANE = 0, 1
-# A candidate: (chance, token, stream cell or -1, row cell or -1: the class that gave the chance).
-Candidate = tuple[float, int, int, int]
+# A candidate: (its lane's chance, token, stream cell or -1, row cell or -1: the class that gave the chance, its
+# placed chance). A node's candidates are in decreasing lane chance; the heap orders by placed chances.
+Candidate = tuple[float, int, int, int, float]
+# Match length -> bucket (calibration.match_bucket), read once per expanded node.
+MATCH_BUCKETS = tuple(match_bucket(m) for m in range(64))
 
 
 def _origin(found: list[tuple[int, Row]], token: int) -> Source:
@@ -99,6 +103,7 @@ class RecapDrafter(Drafter):
         self.orders = tuple(sorted(set(orders), reverse=True))  # most specific first
         if not self.orders or not set(self.orders) <= {1, 2, 3}:
             raise ValueError("orders is a non-empty subset of 1, 2, 3")
+        self._uses = (3 in self.orders, 2 in self.orders, 1 in self.orders)
         self.mixing, self.suffix = mixing, suffix
         self.weights = FIXED_WEIGHTS if mixing == "fixed" else tuple(weights)
         self.budget, self.depth, self.width, self.top_k = budget, depth, min(width, top_k), top_k
@@ -183,7 +188,7 @@ class RecapDrafter(Drafter):
         stream, rows = self.stream_chances, self.row_chances
         for i in path:
             best = argmax[i]
-            for _, token, s_cell, r_cell in nodes[i][4]:
+            for _, token, s_cell, r_cell, _ in nodes[i][4]:
                 if s_cell >= 0:
                     stream.record(s_cell, token == best)
                 else:
@@ -256,18 +261,17 @@ class RecapDrafter(Drafter):
     # --- mixing ---------------------------------------------------------------------------------------------
 
     def rows_for(self, key: tuple[int, ...]) -> list[tuple[int, Row]]:
-        """The rows this path's order-3, order-2 and order-1 keys find, most specific first."""
+        """The rows this path's order-3, order-2 and order-1 keys find, most specific first (keys are a path's
+        last three tokens at most)."""
         found = []
         n = len(key)
-        for o in self.orders:  # plain dict/list reads: this runs once per expanded node
-            if o == 1:
-                row = self.order1.rows[key[-1]] if n and 0 <= key[-1] < self.order1.vocab_size else None
-            elif n >= o:
-                row = self.keyed[o].rows.get(key if o == n else key[-o:])
-            else:
-                continue
-            if row is not None:
-                found.append((o, row))
+        use3, use2, use1 = self._uses
+        if n == 3 and use3 and (row := self.keyed[3].rows.get(key)) is not None:
+            found.append((3, row))
+        if n >= 2 and use2 and (row := self.keyed[2].rows.get(key[1:] if n == 3 else key)) is not None:
+            found.append((2, row))
+        if n and use1 and 0 <= key[-1] < self.vocab_size and (row := self.order1.rows[key[-1]]) is not None:
+            found.append((1, row))
         return found
 
     def mix(self, key: tuple[int, ...]) -> Mixed:
@@ -277,9 +281,11 @@ class RecapDrafter(Drafter):
         if len(found) == 1:
             ids, probs = found[0][1]
             return ids[: self.width], probs[: self.width], found
-        if not found:
-            return NO_ROWS
-        # A mixture is cached until one of the rows it mixed is overwritten (rows are never changed in place).
+        return self._mixture(key, found) if found else NO_ROWS
+
+    def _mixture(self, key: tuple[int, ...], found: list[tuple[int, Row]]) -> Mixed:
+        """Several rows' mixture, cached until one of the rows it mixed is overwritten (rows are never changed in
+        place)."""
         cached = self._mixed.get(key)
         if cached is not None and len(cached[0]) == len(found) and all(a is b[1] for a, b in zip(cached[0], found)):
             return cached[1]
@@ -330,41 +336,47 @@ class RecapDrafter(Drafter):
 
     def _candidates(self, key: tuple[int, ...], spos: int | None, m: int, deep: int) -> list[Candidate]:
         """A node's candidates, best first: the stream's continuations of its match (``spos``, of length ``m``)
-        and its recycled rows, each token once, each with its learned chance; the chances add up to <= 1.
-        ``deep``: 0 at the root (whose own occurrence in the stream has no continuation yet), else 1. Runs once
-        per expanded node: buckets are inlined, chances read as a + b * guess from the cells' coefficients."""
+        and its recycled rows, each token once, each with its learned chance; the chances add up to <= 1, and
+        each is then mapped as placed nodes of its lane turned out (``PlacedCalibration``). ``deep``: 0 at the
+        root (whose own occurrence in the stream has no continuation yet), else 1. Runs once per expanded node:
+        buckets are inlined, chances read as a + b * guess from the coefficients ``propose`` fetched."""
         banned = self.banned
         streamed: dict[int, tuple[int, float]] = {}  # token -> (cell without the agree bit, share)
         if spos is not None:
             tree, here = self.stream.tree, self._here
-            mb = match_bucket(m)
+            mb = MATCH_BUCKETS[m]
             if spos >= 0:
                 toks, negc = tree.ranked(spos)
                 total = tree.count[spos] - (not deep)
                 if total > 0:
-                    kids, source = tree.kids[spos], tree.source
+                    kids, last = tree.kids[spos], tree.last
                     for rank in range(min(STREAM_RANKS, len(toks))):
                         t = toks[rank]
                         if t in banned:
                             continue
                         p = -negc[rank] / total
                         b = 4 if p >= 0.95 else 3 if p >= 0.8 else 2 if p >= 0.5 else 1 if p >= 0.2 else 0
-                        own = 7 if source(kids[t]) in here else 0
+                        ref = kids[t]  # the sequence that last passed there: tree.source, inlined
+                        own = 7 if (last[ref] if ref >= 0 else tree.leaf_seq[~ref // SPAN]) in here else 0
                         streamed[t] = (((own + mb) * 15 + (rank if rank < 2 else 2) * 5 + b) * 2, p)
             else:  # inside a chain only one sequence holds: one continuation, every time
                 kids = tree.children(spos)
                 if kids and kids[0][0] not in banned:
                     own = 7 if tree.source(spos) in here else 0
                     streamed[kids[0][0]] = (((own + mb) * 15 + 4) * 2, 1.0)
-        out: list[Candidate] = []
+        raw: list[tuple[float, int, int, int]] = []
         total = 0.0
-        ids, probs, found = self.mix(key) if key else NO_ROWS
+        found = self.rows_for(key) if key else ()
+        if len(found) == 1:  # one row is its own mixture (``mix``, inlined)
+            ids, probs = found[0][1]
+        else:
+            ids, probs, found = self._mixture(key, found) if found else NO_ROWS
         agree = ()
         if ids:
-            a, b = self.row_chances.coefficients() if self.calibrate else (None, None)
+            a, b = self._row_ab
             base = (found[0][0] - 1) * 4
             tail = deep * 2 + (1 if streamed else 0)
-            for rank in range(len(ids)):
+            for rank in range(min(len(ids), self.width)):
                 t = ids[rank]
                 if t in streamed:
                     agree = agree or set()
@@ -377,18 +389,26 @@ class RecapDrafter(Drafter):
                         (4 if p >= 0.95 else 3 if p >= 0.8 else 2 if p >= 0.5 else 1 if p >= 0.2 else 0)) * 4 + tail
                 c = a[cell] + b[cell] * p * p if a is not None else p
                 total += c
-                out.append((c, t, -1, cell))
+                raw.append((c, t, -1, cell))
         if streamed:
-            a, b = self.stream_chances.coefficients() if self.calibrate else (None, None)
+            a, b = self._stream_ab
             for t, (cell, share) in streamed.items():
                 if t in agree:
                     cell += 1
                 c = a[cell] + b[cell] * share if a is not None else share
                 total += c
-                out.append((c, t, cell, -1))
+                raw.append((c, t, cell, -1))
+        mapped = self._mapped
+        out: list[Candidate] = []
+        for c, t, s_cell, r_cell in raw:
+            if total > 1.0:  # exclusive siblings
+                c /= total
+            if mapped is None:
+                out.append((c, t, s_cell, r_cell, c))
+                continue
+            a, b = mapped[STREAM_LANE if s_cell >= 0 else ROW_LANE][min(int(c * 10), 9) if c > 0 else 0]
+            out.append((c, t, s_cell, r_cell, a + b * c))
         out.sort(reverse=True)
-        if total > 1.0:  # exclusive siblings
-            out = [(c[0] / total, c[1], c[2], c[3]) for c in out]
         return out
 
     def _bound(self) -> float:
@@ -417,12 +437,16 @@ class RecapDrafter(Drafter):
         tail = tuple(context[-3:])
         max_depth = min(self.depth, room)
         spos, m = self._match() if self.suffix and max_depth > 0 else (None, 0)
+        # The learned coefficients, fetched once: nothing is recorded until the step is verified.
+        calibrated = self.calibrate
+        self._row_ab = self.row_chances.coefficients() if calibrated else (None, None)
+        self._stream_ab = self.stream_chances.coefficients() if calibrated else (None, None)
+        self._mapped = self.placed.coefficients() if calibrated else None
         first = self._candidates(tail, spos, m, 0) if max_depth > 0 else []
         # Per node: [key, stream position, match length, depth, candidates, (lane, lane chance) if placed, its row
         # cell (-1: not from the rows)]
         nodes: list[list] = [[tail, spos, m, 0, first, None, -1]]
         tokens, parents, chances = [context[-1]], [-1], [1.0]
-        mapped = self.placed.coefficients() if self.calibrate else None
         bound = self._bound()
         tree_s = self.stream.tree
         anchor = min(ANCHOR, tree_s.depth - 1)
@@ -430,26 +454,29 @@ class RecapDrafter(Drafter):
         budget, stops = self.budget, self.stops
         push, pop = heapq.heappush, heapq.heappop
         # (-path chance, node, rank of the candidate it places, or MIX: work out the node's candidates)
-        frontier: list[tuple[float, int, int]] = [(-self._placed_chance(mapped, first[0]), 0, 0)] if first else []
+        frontier: list[tuple[float, int, int]] = [(-first[0][4], 0, 0)] if first else []
         trust = self.trust.factor if sizer is not None else 1.0
+        # Growth surely goes on while the best waiting chance beats the sizer's threshold (it moves only when a
+        # node is placed); below it the sizer decides. Without a sizer, up to the budget.
+        limit = sizer.threshold() / trust if sizer is not None else 0.0
         while frontier:
-            if sizer is not None:
-                if not sizer.worth_growing(-frontier[0][0] * trust):
+            if sizer is None:
+                if len(tokens) > budget:
                     break
-            elif len(tokens) > budget:
+            elif -frontier[0][0] <= limit and not sizer.worth_growing(-frontier[0][0] * trust):
                 break
             neg, parent, rank = pop(frontier)
             node = nodes[parent]
             if rank == MIX:
                 cands = node[4] = self._candidates(node[0], node[1], node[2], 1)
                 if cands:
-                    push(frontier, (-chances[parent] * self._placed_chance(mapped, cands[0]), parent, 0))
+                    push(frontier, (-chances[parent] * cands[0][4], parent, 0))
                 continue
             cands = node[4]
-            chance, token, s_cell, r_cell = cands[rank]
+            chance, token, s_cell, r_cell, _ = cands[rank]
             lane = STREAM_LANE if s_cell >= 0 else ROW_LANE
             if rank + 1 < len(cands):
-                push(frontier, (-chances[parent] * self._placed_chance(mapped, cands[rank + 1]), parent, rank + 1))
+                push(frontier, (-chances[parent] * cands[rank + 1][4], parent, rank + 1))
             i = len(tokens)
             tokens.append(token)
             parents.append(parent)
@@ -466,18 +493,10 @@ class RecapDrafter(Drafter):
                 push(frontier, (neg * bound, i, MIX))
             if sizer is not None:
                 sizer.place(-neg * trust)
+                limit = sizer.threshold() / trust
         n = sizer.size if sizer is not None else len(tokens)
         self.grown = len(tokens)
         return self._tree(tokens[:n], parents[:n], chances[:n], nodes[:n])
-
-    @staticmethod
-    def _placed_chance(mapped, cand: Candidate) -> float:
-        """A candidate's chance as placed nodes of its lane and chance turned out (the placed calibration)."""
-        if mapped is None:
-            return cand[0]
-        p = cand[0]
-        a, b = mapped[STREAM_LANE if cand[2] >= 0 else ROW_LANE][min(int(p * 10), 9) if p > 0 else 0]
-        return a + b * p
 
     def _reanchor(self, context: list[int], tokens: list[int], parents: list[int], i: int,
                   anchor: int) -> tuple[int | None, int]:

@@ -76,7 +76,11 @@ class SuffixTree:
         seq.append(token)
         old = self.active[sid]
         new = [0] * min(len(old) + 1, self.depth)
-        count, kids, last, ordered, dirty = self.count, self.kids, self.last, self.ordered, self.dirty
+        if not self.ordered:
+            self._descend(sid, token, old, new, len(seq) - 1)
+            self.active[sid] = new
+            return
+        count, kids, last = self.count, self.kids, self.last
         for length in range(len(new) - 1, -1, -1):  # longest first, as the reference walks its suffixes
             pos = old[length - 1] if length else ROOT
             if pos < 0:  # its own leaf: the chain is the sequence itself, so it grows by itself
@@ -88,16 +92,41 @@ class SuffixTree:
                 continue
             if child < 0:
                 child = self._materialize(pos, token, ~child)
-            if ordered:
-                self._increment(pos, token, child)
-            else:  # the count alone; the order is restored when read
-                count[child] += 1
-                if pos:
-                    dirty.add(pos)
+            self._increment(pos, token, child)
             last[child] = sid
             new[length] = child
         count[ROOT] += 1
         self.active[sid] = new
+
+    def _descend(self, sid: int, token: int, old: list[int], new: list[int], at: int) -> None:
+        """``append``'s walk where children are ordered only when read: the counts alone (the loop every token
+        of the stream memory pays, ``depth`` times)."""
+        count, kids, last, dirty = self.count, self.kids, self.last, self.dirty
+        for length in range(len(new) - 1, 0, -1):  # longest first; a suffix of length >= 1 is never the root
+            pos = old[length - 1]
+            if pos < 0:  # its own leaf grows by itself
+                new[length] = pos
+                continue
+            child = kids[pos].get(token)
+            if child is None:
+                new[length] = ~(self._new_leaf(pos, token, sid, at, length + 1) * SPAN)
+                continue
+            if child < 0:
+                child = self._materialize(pos, token, ~child)
+            count[child] += 1
+            dirty.add(pos)
+            last[child] = sid
+            new[length] = child
+        child = kids[ROOT].get(token)  # the empty suffix: the root's children are never read in order
+        if child is None:
+            new[0] = ~(self._new_leaf(ROOT, token, sid, at, 1) * SPAN)
+        else:
+            if child < 0:
+                child = self._materialize(ROOT, token, ~child)
+            count[child] += 1
+            last[child] = sid
+            new[0] = child
+        count[ROOT] += 1
 
     def close(self, sid: int) -> None:
         """The sequence will not grow: forget its suffixes (its text stays, for the chains that read it)."""
