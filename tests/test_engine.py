@@ -199,3 +199,23 @@ def test_check_catches_a_static_counter_left_unreset(get_adapter, monkeypatch):
         out = generate(Engine(adapter, static=True), adapter.build(msgs, imgs),
                        OracleDrafter(ref, 0.6, 16, 0, adapter.vocab_size), NEW_TOKENS).tokens
         assert out == ref
+
+
+def test_grouped_attention_equals_transformers_sdpa_for_each_new_mask():
+    """Tree steps fold a group's query heads against its one key/value head and repeat the mask once per step,
+    not per layer: two steps with different masks, each read by two layers, give transformers' own results."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=False, training=False)
+    for t in (3, 4):  # two steps: a new mask each
+        mask = torch.zeros(1, 1, t, 5 + t)
+        mask[..., 5:] = torch.full((t, t), torch.finfo(torch.float32).min).triu(1)
+        mask[0, 0, -1, 2] = torch.finfo(torch.float32).min  # not causal: a tree mask
+        for _ in range(2):  # two layers read the same mask
+            q, k, v = torch.randn(1, 4, t, 8), torch.randn(1, 2, 5 + t, 8), torch.randn(1, 2, 5 + t, 8)
+            got, _ = compat._grouped_sdpa(module, q, k, v, mask, scaling=0.5)
+            want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.5)
+            torch.testing.assert_close(got, want)

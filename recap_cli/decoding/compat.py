@@ -168,9 +168,25 @@ def _grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     # Head g * n + r of query -> row r * T + t of group g; the mask's T rows repeat once per head of the group.
     folded = query.reshape(b, key.shape[1], groups * t, dim)
     out = torch.nn.functional.scaled_dot_product_attention(folded, key, value,
-                                                           attn_mask=attention_mask.repeat(1, 1, groups, 1),
+                                                           attn_mask=_repeated(attention_mask, groups),
                                                            scale=scaling)
     return out.reshape(b, heads, t, dim).transpose(1, 2).contiguous(), None
+
+
+_last_repeat: tuple = (None, 0, None)  # (mask, groups, the mask repeated): the step's last layer's
+
+
+def _repeated(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """The mask's rows repeated once per head of a group. Every layer of a step gets the same mask tensor, so
+    it is repeated once per step, not once per layer (a quarter of a tree step's attention time on the demo
+    model). The last one is held until the next step's mask replaces it: the tensor itself is the key, so a
+    new mask can never be mistaken for it."""
+    global _last_repeat
+    source, times, out = _last_repeat
+    if source is not mask or times != groups:
+        out = mask.repeat(1, 1, groups, 1)
+        _last_repeat = (mask, groups, out)
+    return out
 
 
 # The static-shape batched engine (recap_cli/decoding/batched_static.py): one StaticCache whose slots are rows.
