@@ -119,6 +119,9 @@ class RecapDrafter(Drafter):
         self.stream_chances = CellChances(STREAM_CELLS, weight=0.75)
         self.row_chances = CellChances(ROW_CELLS, weight=1.0)  # of the guess p * p
         self.placed = PlacedCalibration(lanes=2)
+        # The coefficients a tree reads, fetched by ``propose`` (None: the raw guesses, as uncalibrated).
+        self._row_ab = self._stream_ab = (None, None)
+        self._mapped = None
         self.own_request_state()
 
     def own_request_state(self) -> None:
