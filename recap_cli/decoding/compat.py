@@ -179,9 +179,8 @@ _last_repeat: tuple = (None, 0, None)  # (mask, groups, the mask repeated): the 
 def _repeated(mask: torch.Tensor, groups: int) -> torch.Tensor:
     """The mask's rows repeated once per head of a group. Every layer of a step gets the same mask tensor, so
     it is repeated once per step, not once per layer (20 us a layer on the demo model, on 2 CPU cores). The last
-    one is held until the next step's mask replaces it: the tensor itself is the key, so a
-    new mask can never be mistaken for it. Inside torch.compile nothing is kept across calls (a captured graph's
-    tensors are its own)."""
+    one is held until the next step's mask replaces it: the tensor itself is the key, so a new mask can never be
+    mistaken for it. Inside torch.compile nothing is kept across calls (a captured graph's tensors are its own)."""
     global _last_repeat
     if torch.compiler.is_compiling():  # one traced graph: the layers' repeats of its one mask input are one op
         return mask.repeat(1, 1, groups, 1)
