@@ -8,13 +8,15 @@ a tree at its root. Estimates start at a guess worth ``prior`` observations.
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import torch
 
 MATCHES = (1, 2, 3, 4, 6, 9, 13)  # length of an exact match in the stream -> bucket 0..6 (13 and longer: the last)
 
 
 def match_bucket(m: int) -> int:
-    return 6 if m >= 13 else 5 if m >= 9 else 4 if m >= 6 else min(m, 4) - 1 if m >= 1 else 0
+    return max(0, bisect_right(MATCHES, m) - 1)
 
 
 class Counts:
@@ -92,7 +94,7 @@ class PlacedCalibration(Counts):
     0.1-0.2 accepted half as often). This maps each lane's chance to what placed nodes with that chance turned
     out to be worth, bucket by bucket, starting at the lane's own figure (``prior`` observations)."""
 
-    _bound: tuple | None = None  # (the coefficients, most, the bound), kept while the coefficients stand
+    _bound: tuple[float, float] | None = None  # (most, the bound), kept until the coefficients are rebuilt
 
     def __init__(self, lanes: int = 2, prior: float = 8.0, refresh: int = 32):
         self.prior, self.refresh = prior, refresh
@@ -116,15 +118,16 @@ class PlacedCalibration(Counts):
             prior = self.prior
             self._coefficients = [[(h / (t + prior), prior / (t + prior)) for h, t in zip(hs, ts)]
                                   for hs, ts in zip(self.hits, self.tries)]
+            self._bound = None
         return self._coefficients
 
     def bound(self, most: float = 1.0) -> float:
         """An upper bound on the mapped chance of any lane chance <= ``most`` (for nodes not yet mixed)."""
         coefficients = self.coefficients()
-        if self._bound is None or self._bound[0] is not coefficients or self._bound[1] != most:
-            self._bound = (coefficients, most, min(1.0, max(a + b * min(most, (j + 1) / 10) for row in coefficients
-                                                       for j, (a, b) in enumerate(row) if j / 10 <= most)))
-        return self._bound[2]
+        if self._bound is None or self._bound[0] != most:
+            self._bound = (most, min(1.0, max(a + b * min(most, (j + 1) / 10) for row in coefficients
+                                              for j, (a, b) in enumerate(row) if j / 10 <= most)))
+        return self._bound[1]
 
     def record(self, lane: int, p: float, hit: bool) -> None:
         b = self.bucket(p)
