@@ -107,9 +107,11 @@ def run(model: str, inputs: list[Path], variants: list[str], max_new_tokens: int
         gens = session.gens
         reference = reference or tokens
         steps = sum(g.steps for g in gens)
-        emitted = sum(len(g.tokens) - 1 for g in gens)  # the first token comes from prefill, not a step
+        emitted = sum(len(g.tokens) - g.prefill_tokens for g in gens)  # the prefills' tokens come from no step
+        after_first = sum(len(g.tokens) - 1 for g in gens)  # what the steps and the prefills' drafts gave
         results[name] = {
             "tokens_per_step": emitted / steps,
+            "prefill_drafted": after_first - emitted,  # drafted tokens a prefill verified (RECAP's first tree)
             "draft_ms_per_step": 1000 * sum(g.draft_s for g in gens) / steps,
             "verify_ms_per_step": 1000 * sum(g.verify_s for g in gens) / steps,
             "nodes_per_step": sum(g.tree_nodes for g in gens) / steps,
@@ -120,10 +122,16 @@ def run(model: str, inputs: list[Path], variants: list[str], max_new_tokens: int
             "by_source": dict(sum((g.by_source for g in gens), start=type(gens[0].by_source)())),
         }
         r = results[name]
-        if costs == "h200":  # the GPU's step cost + this machine's drafting time, per emitted token
-            r["projected_ms_per_token"] = (r["modelled_step_ms"] + r["draft_ms_per_step"]) / r["tokens_per_step"]
+        if costs == "h200":  # the GPU's steps + this machine's drafting time, per token after each turn's first;
+            # a tree verified by a prefill is charged what it adds to a step there (rows of a pass of hundreds)
+            cost = session.session.engine.cost
+            rows = sum(cost(g.prefill_nodes) - cost(1) for g in gens)
+            total = sum(step_costs) + rows + sum(g.draft_s for g in gens)
+            r["projected_ms_per_token"] = 1000 * total / after_first
+            r["prefill_tree_ms"] = 1000 * rows / len(gens)
             print(f"{name:15s} projected on an H200: step {r['modelled_step_ms']:.2f} ms + drafting "
-                  f"{r['draft_ms_per_step']:.3f} ms -> {r['projected_ms_per_token']:.2f} ms/token")
+                  f"{r['draft_ms_per_step']:.3f} ms, prefill trees {r['prefill_tree_ms']:.2f} ms a turn "
+                  f"-> {r['projected_ms_per_token']:.2f} ms/token")
         print(f"{name:15s} tok/step {r['tokens_per_step']:.3f}  nodes {r['nodes_per_step']:5.1f}  "
               f"draft {r['draft_ms_per_step']:.3f} ms  verify {r['verify_ms_per_step']:.1f} ms  "
               f"median {r['median_decode_tok_s']:.1f} tok/s  same-as-ar {r['matches_ar']}", flush=True)

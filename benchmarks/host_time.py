@@ -80,6 +80,10 @@ class Recorder:
         self.calls.append(("start", (list(prompt), rows)))
         return self.inner.start(prompt, rows)
 
+    def prompt_rows(self, prompt, rows):  # a drafter that drafts at prefill gets the prompt's rows after start
+        self.calls.append(("prompt_rows", (list(prompt), rows)))
+        return self.inner.prompt_rows(prompt, rows)
+
     def propose(self, context, room):
         self.calls.append(("propose", (list(context), room)))
         return self.inner.propose(context, room)
@@ -93,8 +97,8 @@ def replay(drafter, calls, engine) -> dict[str, list[float]]:
     """Per-step seconds of propose, observe and input building, replaying ``calls`` on ``drafter``."""
     out = {"propose": [], "observe": [], "inputs": [], "nodes": []}
     for kind, args in calls:
-        if kind == "start":
-            drafter.start(*args)
+        if kind in ("start", "prompt_rows"):
+            getattr(drafter, kind)(*args)
         elif kind == "propose":
             t0 = time.perf_counter()
             tree = drafter.propose(*args)

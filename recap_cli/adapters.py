@@ -60,6 +60,9 @@ class Adapter:
     arch = "text"
     supports_images = False
     token_inputs = ("mm_token_type_ids", "token_type_ids")  # model inputs that hold one value per prompt token
+    # Whether a draft tree may ride on the prompt's forward pass (Engine.prefill_tree) under a plain 4-D mask:
+    # causal over the prompt, by ancestry over the nodes. Not where prefill needs a mask of the model's own.
+    drafts_in_prefill = True
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any):
         self.model = model
@@ -218,6 +221,8 @@ class Gemma3Adapter(VisionAdapter):
     4-D mask would reach them unchanged, so the step passes a dict of masks by layer type. The cache keeps every
     position in every layer (a sliding ring buffer cannot be compacted by absolute position).
     """
+
+    drafts_in_prefill = False  # its prefill mask opens image blocks both ways and has sliding windows
 
     def __init__(self, model: torch.nn.Module, processor: Any):
         super().__init__(model, processor)

@@ -42,7 +42,8 @@ class Totals:
         self.new_tokens += record["new_tokens"]
         self.seconds += (record["prefill_ms"] + record["decode_ms"]) / 1000
         self.steps += record["steps"]
-        self.emitted_in_steps += record["new_tokens"] - record["turns"]  # each turn's first token is prefill's
+        # The prefills' tokens (each turn's first, and drafts a prefill verified) came from no step.
+        self.emitted_in_steps += record["new_tokens"] - record.get("prefill_tokens", record["turns"])
         self.by_source.update(record["tokens_by_source"])
         self.prompt_tokens += record.get("prompt_tokens", 0)
         self.prefix_hit += record.get("prefix_hit", 0)
@@ -328,6 +329,7 @@ def result_record(req: Request, method: str, model: str, answer: str, gens: list
     prefill = sum(g.prefill_s for g in gens)
     decode = sum(g.decode_s for g in gens)
     steps = sum(g.steps for g in gens)
+    early = sum(g.prefill_tokens for g in gens)
     hist: Counter = sum((g.accepted_hist for g in gens), Counter())
     sources: Counter = sum((g.by_source for g in gens), Counter())
     record = {
@@ -335,8 +337,9 @@ def result_record(req: Request, method: str, model: str, answer: str, gens: list
         "prefill_ms": round(1000 * prefill, 3), "decode_ms": round(1000 * decode, 3),
         "tokens_per_s": round(tokens / (prefill + decode), 3) if prefill + decode else 0.0,
         "steps": steps, "turns": len(gens),
-        # Tokens per verification step, the first token of each turn (from prefill) left out.
-        "mean_accepted": round((tokens - len(gens)) / steps, 4) if steps else 0.0,
+        "prefill_tokens": early,  # the prefills' tokens: each turn's first, and drafts its prefill verified
+        # Tokens per verification step, the prefills' tokens left out.
+        "mean_accepted": round((tokens - early) / steps, 4) if steps else 0.0,
         "mean_nodes": round(sum(g.tree_nodes for g in gens) / steps, 4) if steps else 0.0,  # root included
         "accepted_hist": {int(k): v for k, v in sorted(hist.items())},
         "tokens_by_source": {SOURCE_KEYS[k]: v for k, v in sources.items() if k in SOURCE_KEYS},

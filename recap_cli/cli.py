@@ -145,6 +145,8 @@ def run(
                                           "memory (exact matches in this and earlier requests)"),
     calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate",
                                              help="recap: learn acceptance chances online (else raw probabilities)"),
+    early: Optional[bool] = typer.Option(None, "--early/--no-early", help="recap: draft the answer's first tokens "
+                                         "into the prompt's own forward pass (one request at a time)"),
     compile: str = typer.Option("auto", help="static KV cache + CUDA graphs: auto (on with CUDA at batch 1), on "
                                 "(batched too) or off"),
     batch: Optional[int] = typer.Option(None, min=1, help="requests decoding together, each with its own draft "
@@ -182,7 +184,8 @@ def run(
         if not root.is_dir():
             fail(f"--root {root} is not a folder")
         base = root.resolve()
-    knobs = _recap_knobs(method, depth=depth, mixing=mixing, orders=orders, suffix=suffix, calibrate=calibrate)
+    knobs = _recap_knobs(method, depth=depth, mixing=mixing, orders=orders, suffix=suffix, calibrate=calibrate,
+                         early=early)
     if budget is not None:
         knobs["budget"] = _budget(method, budget)
     if compile not in ("auto", "on", "off"):

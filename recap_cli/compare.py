@@ -28,7 +28,7 @@ def _on_off(value: str) -> bool:
 
 KNOB_PARSERS: dict[str, Callable[[str], object]] = {
     "mixing": str, "budget": str, "depth": int, "width": int, "top_k": int, "stream_depth": int,
-    "suffix": _on_off, "calibrate": _on_off, "paced": _on_off,
+    "suffix": _on_off, "calibrate": _on_off, "paced": _on_off, "early": _on_off,
     "orders": lambda v: tuple(int(c) for c in v),
     "prefix": float,  # MB of prefix cache (0: reuse off), any method of recap's engines
 }
@@ -45,7 +45,7 @@ class Measurement:
     seconds: float = 0.0  # prefill + decoding
     steps: int = 0
     nodes: int = 0  # tokens verified over all steps (tree nodes, root included)
-    emitted: int = 0  # tokens that came out of verification steps (each turn's first token is prefill's)
+    emitted: int = 0  # tokens that came out of verification steps (not the prefills')
     draft_s: float = 0.0
     decode_s: float = 0.0
     wall_s: float = 0.0  # its share of the wall time its method took over the dataset (batched: wall / inputs)
@@ -197,7 +197,7 @@ def _measured(record: dict, tokens: list[list[int]], req: Request, dataset: str,
         m.seconds = (record["prefill_ms"] + record["decode_ms"]) / 1000
         m.steps = record["steps"]
         m.nodes = round(record["mean_nodes"] * record["steps"])
-        m.emitted = record["new_tokens"] - record["turns"]
+        m.emitted = record["new_tokens"] - record.get("prefill_tokens", record["turns"])
         m.draft_s = record["draft_ms"] / 1000
         m.decode_s = record["decode_ms"] / 1000
         m.prompt_tokens, m.prefix_hit = record.get("prompt_tokens", 0), record.get("prefix_hit", 0)

@@ -86,13 +86,15 @@ def request(arch: str, question: str, seed: int = 0, size=(80, 60)):
 
 class OracleDrafter(Drafter):
     """Arbitrary trees around a known reference continuation: each node is the reference token with
-    probability ``p_right`` (so depth-d nodes on a right path are accepted), otherwise a random token."""
+    probability ``p_right`` (so depth-d nodes on a right path are accepted), otherwise a random token. ``early``:
+    the first tree is verified in the prompt's forward pass (``Drafter.drafts_at_prefill``)."""
 
     name = "oracle"
 
-    def __init__(self, reference: list[int], p_right: float, nodes: int, seed: int, vocab: int):
+    def __init__(self, reference: list[int], p_right: float, nodes: int, seed: int, vocab: int, early: bool = False):
         self.reference, self.p_right, self.nodes, self.vocab = reference, p_right, nodes, vocab
         self.rng = random.Random(seed)
+        self.drafts_at_prefill = early
 
     def start(self, prompt, rows):
         self.prompt_len = len(prompt)

@@ -340,13 +340,13 @@ def test_a_run_times_nothing_but_its_own_steps(get_adapter, monkeypatch):
 
             engine.join = join
         else:
-            real_prefill = engine.prefill
+            real_prefill = engine.prefill_tree
 
-            def prefill(prompt, want_rows=False, reserve=256, real_prefill=real_prefill):
+            def prefill(prompt, tree, want_rows=False, reserve=256, real_prefill=real_prefill):
                 counts["prompts"] += 1
-                return real_prefill(prompt, want_rows, reserve)
+                return real_prefill(prompt, tree, want_rows, reserve)
 
-            engine.prefill = prefill
+            engine.prefill_tree = prefill
         reqs = text_requests(repeat=1)
         out = list(answer_all(session, reqs, "tiny", NEW))
         assert counts["prompts"] == len(reqs)

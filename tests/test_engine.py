@@ -9,6 +9,7 @@ from recap_cli.decoding import compat
 from recap_cli.drafters import Drafter
 from recap_cli.decoding.engine import Engine, accept, generate
 from recap_cli.decoding.tree import Tree
+from recap_cli.prefix_cache import PrefixCache
 
 from .conftest import OracleDrafter, request
 
@@ -71,6 +72,51 @@ def test_tree_decoding_equals_greedy(get_adapter, arch, attn):
         assert decode(adapter, arch, qi, seed, drafter) == ref, (nodes, p_right)
 
 
+EARLY_TREES = [(2, 1.0), (8, 0.0), (16, 0.9), (33, 0.6), (12, 1.0)]
+
+
+def decode_early(engine, adapter, arch, i, nodes, p_right):
+    """One request whose first tree rides on its prefill (an early oracle), checked against generate()."""
+    qi, seed = i % 2, 1 + i % 2
+    ref = reference(adapter, arch, qi, seed)
+    msgs, imgs = request(arch, QUESTIONS[qi], seed)
+    prompt = adapter.build(msgs, imgs)
+    drafter = OracleDrafter(ref, p_right, nodes, seed=i, vocab=adapter.vocab_size, early=True)
+    gen = generate(engine, prompt, drafter, NEW_TOKENS)
+    assert gen.tokens == ref, (nodes, p_right)
+    engine.hold(prompt, gen.tokens)
+    return gen
+
+
+@pytest.mark.parametrize("attn,static", [("sdpa", False), ("eager", False), ("sdpa", True)])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_tree_verified_at_prefill_equals_greedy(get_adapter, arch, attn, static):
+    """The first tree rides on the prompt's forward pass (Engine.prefill_tree: the prompt causal, the nodes by
+    ancestry after its last position, M-RoPE delta included; over a static cache too), then steps go on as usual.
+    From all-wrong to all-right the tokens are generate()'s; a right draft is taken by the prefill, a wrong one
+    leaves only the first token."""
+    adapter = get_adapter(arch, attn)
+    for i, (nodes, p_right) in enumerate(EARLY_TREES):
+        gen = decode_early(Engine(adapter, static=static), adapter, arch, i, nodes, p_right)
+        assert (gen.prefill_tokens > 1) == (p_right > 0), (nodes, p_right, gen.prefill_tokens)
+        assert gen.mean_accepted == (len(gen.tokens) - gen.prefill_tokens) / gen.steps
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_tree_verified_at_prefill_over_a_reused_prefix_equals_greedy(get_adapter, arch):
+    """The same over a prefix already in the cache (Engine.prefill_from: the prompt's rest as a chain, then the
+    tree): a request repeated, and its prompt's start reused."""
+    adapter = get_adapter(arch)
+    engine = Engine(adapter)
+    engine.prefixes = PrefixCache(64)
+    hits = []
+    for i, (nodes, p_right) in enumerate([(16, 0.9), (16, 0.9), (12, 1.0)]):
+        gen = decode_early(engine, adapter, arch, 2 * (i // 2), nodes, p_right)  # requests 0, 0, 2: the same prompt
+        hits.append(engine.hit)
+        assert gen.prefill_tokens > 1
+    assert hits[0] == 0 and hits[1] > 0 and hits[2] > 0
+
+
 def test_good_trees_take_fewer_steps(get_adapter):
     adapter = get_adapter("qwen")
     ref = reference(adapter, "qwen", 0, 1)
@@ -83,23 +129,33 @@ def test_good_trees_take_fewer_steps(get_adapter):
     assert steps[0.95] * 3 < steps[0.0]
 
 
-def test_max_new_tokens_and_eos_end_like_generate(get_adapter):
+@pytest.mark.parametrize("early", [False, True])
+def test_max_new_tokens_and_eos_end_like_generate(get_adapter, early):
+    """Also when the first tree rides on the prefill (``early``): its path is cut there as a step's is."""
     adapter = get_adapter("llava")
     for n in (1, 2, 7):
         msgs, imgs = request("llava", QUESTIONS[0], 1)
         ref = hf_generate(adapter, msgs, imgs, n)
         full = reference(adapter, "llava", 0, 1)
-        drafter = OracleDrafter(full, 1.0, 16, 0, adapter.vocab_size)
+        drafter = OracleDrafter(full, 1.0, 16, 0, adapter.vocab_size, early=early)
         assert decode(adapter, "llava", 0, 1, drafter, n) == ref
     # An EOS inside an accepted path ends the request there, as generate() does.
     eos = next(iter(adapter.eos_token_ids))
     ref = reference(adapter, "llava", 0, 1)
     adapter.eos_token_ids = {ref[5]}
     try:
-        out = decode(adapter, "llava", 0, 1, OracleDrafter(ref, 1.0, 16, 0, adapter.vocab_size))
+        out = decode(adapter, "llava", 0, 1, OracleDrafter(ref, 1.0, 16, 0, adapter.vocab_size, early=early))
     finally:
         adapter.eos_token_ids = {eos}
     assert out == ref[: ref.index(ref[5]) + 1]
+
+
+def test_a_tree_without_a_token_drops_its_nodes_and_those_under_them():
+    tree = Tree(tokens=[9, 1, 7, 2, 3, 7], parents=[-1, 0, 0, 1, 2, 3], sources=[0, 1, 2, 3, 4, 5])
+    assert tree.without(None) is tree and tree.without(4) is tree
+    cut = tree.without(7)  # node 2 (and node 4 under it) and node 5 go
+    assert (cut.tokens, cut.parents, cut.sources) == ([9, 1, 2], [-1, 0, 1], [0, 1, 3])
+    assert Tree.root(7).without(7).tokens == [7]  # the root is committed text, never dropped
 
 
 def test_accept_walks_the_greedy_path():
@@ -112,12 +168,12 @@ def test_accept_walks_the_greedy_path():
 
 # --- Each breakage below must be caught by the same exactness check. ---------------------------------------
 
-def _any_mismatch(get_adapter, arch="qwen", attn="sdpa") -> bool:
+def _any_mismatch(get_adapter, arch="qwen", attn="sdpa", early=False) -> bool:
     adapter = get_adapter(arch, attn)
     for i, (nodes, p_right) in enumerate([(64, 0.6), (33, 0.8), (16, 0.9)]):
         qi, seed = i % 2, 1 + i % 2
         ref = reference(adapter, arch, qi, seed)
-        drafter = OracleDrafter(ref, p_right, nodes, seed=i, vocab=adapter.vocab_size)
+        drafter = OracleDrafter(ref, p_right, nodes, seed=i, vocab=adapter.vocab_size, early=early)
         if decode(adapter, arch, qi, seed, drafter) != ref:
             return True
     return False
@@ -136,6 +192,19 @@ def test_check_catches_a_causal_instead_of_ancestor_mask(get_adapter, monkeypatc
 
 
 @pytest.mark.parametrize("arch", ["qwen", "llava"])
+def test_check_catches_a_causal_mask_over_a_tree_at_prefill(get_adapter, monkeypatch, arch):
+    """The tree riding on the prompt's pass must see its ancestors only, not every node before it."""
+    real = Engine._chain_tree_mask
+
+    def causal(self, t, parents):
+        return real(self, t + len(parents) - 1, [-1])
+
+    assert not _any_mismatch(get_adapter, arch, early=True)
+    monkeypatch.setattr(Engine, "_chain_tree_mask", causal)
+    assert _any_mismatch(get_adapter, arch, early=True)
+
+
+@pytest.mark.parametrize("arch", ["qwen", "llava"])
 def test_check_catches_index_instead_of_depth_positions(get_adapter, monkeypatch, arch):
     monkeypatch.setattr(Tree, "depths", lambda self: list(range(len(self.tokens))))
     assert _any_mismatch(get_adapter, arch)
@@ -148,7 +217,7 @@ def test_check_catches_a_bool_mask_under_eager(get_adapter, monkeypatch):
 
 
 def test_check_catches_a_missing_mrope_delta(get_adapter, monkeypatch):
-    real = Engine.prefill
+    real = Engine.prefill_tree
 
     def no_delta(self, prompt, *args, **kw):
         out = real(self, prompt, *args, **kw)
@@ -156,7 +225,7 @@ def test_check_catches_a_missing_mrope_delta(get_adapter, monkeypatch):
         return out
 
     assert get_adapter("qwen").build(*request("qwen", "hi", 1)).rope_delta != 0
-    monkeypatch.setattr(Engine, "prefill", no_delta)
+    monkeypatch.setattr(Engine, "prefill_tree", no_delta)
     assert _any_mismatch(get_adapter, "qwen")
 
 

@@ -19,7 +19,7 @@ from recap_cli.session import Session
 from recap_cli.decoding.tree import Tree
 
 from .conftest import OracleDrafter, request
-from .test_engine import NEW_TOKENS, QUESTIONS, TREES, _any_mismatch, decode, reference
+from .test_engine import EARLY_TREES, NEW_TOKENS, QUESTIONS, TREES, _any_mismatch, decode, decode_early, reference
 
 # SmolVLM's processor needs num2words (a transformers soft dependency recap does not pull in); Idefics3, the same
 # model design under another name, carries the proof where it is missing.
@@ -40,6 +40,18 @@ def test_trees_equal_generate(get_adapter, family):
         assert len(ref) >= 10
         drafter = OracleDrafter(ref, p_right, nodes, seed=i, vocab=adapter.vocab_size)
         assert decode(adapter, family, qi, seed, drafter) == ref, (nodes, p_right)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_tree_verified_at_prefill_equals_generate(get_adapter, family):
+    """The first tree rides on the prompt's forward pass where the family allows it (not Gemma 3, whose prefill
+    mask is the model's own): generate()'s tokens either way."""
+    adapter = get_adapter(family)
+    engine = Engine(adapter)
+    assert engine.drafts_in_prefill == (family != "gemma3")
+    for i, (nodes, p_right) in enumerate(EARLY_TREES):
+        gen = decode_early(engine, adapter, family, i, nodes, p_right)
+        assert (gen.prefill_tokens > 1) == (p_right > 0 and engine.drafts_in_prefill), (nodes, p_right)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -71,14 +83,14 @@ def test_wrong_masks_and_positions_are_caught(get_adapter, monkeypatch, family):
         assert _any_mismatch(get_adapter, family)
     if family in MROPE:
         assert get_adapter(family).build(*request(family, "hi", 1)).rope_delta != 0
-        real = Engine.prefill
+        real = Engine.prefill_tree
 
         def no_delta(self, prompt, *args, **kw):
             out = real(self, prompt, *args, **kw)
             self.rope_delta = 0
             return out
 
-        monkeypatch.setattr(Engine, "prefill", no_delta)
+        monkeypatch.setattr(Engine, "prefill_tree", no_delta)
         assert _any_mismatch(get_adapter, family)
 
 

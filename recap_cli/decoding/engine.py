@@ -73,6 +73,12 @@ class Engine:
             self.cache = self.adapter.new_cache(self.capacity)
         compat.set_length(self.cache, 0)
 
+    @property
+    def drafts_in_prefill(self) -> bool:
+        """Whether a draft tree can ride on the prompt's forward pass: not where the adapter builds its own prefill
+        mask (Gemma 3's image blocks and windows)."""
+        return self.adapter.drafts_in_prefill
+
     @torch.inference_mode()
     def prefill(self, prompt: Prompt, want_rows: bool = False, reserve: int = 256,
                 picker: Picker | None = None) -> tuple[int, Rows | None]:
@@ -81,26 +87,85 @@ class Engine:
 
         ``reserve`` is the room a static cache keeps after the prompt (new tokens + the largest tree). With
         ``prefixes``, a prompt that starts like an earlier one prefills only its suffix (``prefill_from``)."""
+        verified, rows = self.prefill_tree(prompt, Tree.root(int(prompt.input_ids[0, -1])), want_rows, reserve,
+                                           picker)
+        return verified.bonus, rows
+
+    @torch.inference_mode()
+    def prefill_tree(self, prompt: Prompt, tree: Tree, want_rows: bool = False, reserve: int = 256,
+                     picker: Picker | None = None) -> tuple[Verified, Rows | None]:
+        """``prefill``, with a draft tree rooted at the prompt's last token verified in the same forward pass: its
+        nodes sit after the prompt, each seeing the whole prompt and its ancestors, so an answer's first tokens
+        can be accepted before any step, for the cost of a few more rows in a pass that runs anyway. The root
+        alone is a plain prefill (``bonus`` is the first token)."""
+        if len(tree) > 1 and not self.drafts_in_prefill:
+            raise ValueError(f"{self.adapter.arch} prefills under a mask of its own: no draft tree rides on it")
+        if tree.without(self.adapter.image_token_id) is not tree:
+            raise ValueError("a tree at prefill holds the image placeholder: the model would take it for an image "
+                             "slot (Tree.without drops it)")
         if self.prefixes is not None and (reuse := self._reusable(prompt, reserve)) is not None:
-            return self.prefill_from(prompt, *reuse, want_rows=want_rows, reserve=reserve, picker=picker)
+            return self.prefill_from(prompt, *reuse, want_rows=want_rows, reserve=reserve, picker=picker, tree=tree)
         self.hit, self.prompt_rows, self.held = 0, None, None
         self._new_cache(prompt.length + reserve + max(self.buckets))
-        self.rope_delta = prompt.rope_delta
-        keep: int | torch.Tensor = 1
+        self.rope_delta, self.length = prompt.rope_delta, 0
+        extra = len(tree) - 1
+        keep: int | torch.Tensor = extra + 1  # the root's logits (the prompt's last) and the nodes'
         if want_rows:  # rows at image placeholders are never keys a drafter could meet again
-            keep = text_positions(prompt.input_ids[0], self.adapter.image_token_id)
-        mask = self.adapter.prefill_mask(self._causal_mask(prompt.length), prompt) if self.static else None
-        out = self.model(input_ids=prompt.input_ids, position_ids=prompt.position_ids, attention_mask=mask,
-                         use_cache=True, logits_to_keep=keep, **{self._cache_kw: self.cache}, **prompt.model_inputs)
-        self.length = prompt.length
-        logits = out.logits[0]
-        first = int(logits[-1].argmax()) if picker is None else first_token(logits[-1:], prompt, picker, self.top_k)
-        if not want_rows:
-            return first, None
-        rows = greedy_and_rows(logits, self.top_k)[1]
-        rows.positions = keep.tolist()
-        self.prompt_rows = rows
-        return first, rows
+            text = text_positions(prompt.input_ids[0], self.adapter.image_token_id)
+            keep = torch.cat([text[text < prompt.length - 1], torch.arange(prompt.length - 1, prompt.length + extra,
+                                                                         device=text.device)])
+        mask = self._chain_tree_mask(prompt.length, tree.parents) if extra or self.static else None
+        if self.static:  # the mask spans the cache's capacity (a static prefill is never one of the step shapes)
+            mask = self.adapter.prefill_mask(mask, prompt)
+        ids, pos, inputs = self._with_tree(prompt, tree)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, logits_to_keep=keep,
+                         **{self._cache_kw: self.cache}, **inputs)
+        positions = keep.tolist() if want_rows else None
+        return self._prefilled(prompt, tree, out.logits[0], positions, None, picker)
+
+    def _with_tree(self, prompt: Prompt, tree: Tree) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+        """The prompt's ids, positions and per-token inputs followed by the tree's nodes: node i at position
+        (last prompt position + its depth), a text token."""
+        extra = len(tree) - 1
+        if not extra:
+            return prompt.input_ids, prompt.position_ids, prompt.model_inputs
+        ids = torch.cat([prompt.input_ids, torch.tensor([tree.tokens[1:]], device=self.device)], dim=1)
+        tail = torch.tensor([tree.depths()[1:]], device=self.device) + (prompt.length - 1 + prompt.rope_delta)
+        if prompt.position_ids is None:
+            pos = torch.cat([torch.arange(prompt.length, device=self.device)[None], tail], dim=1)
+        else:  # M-RoPE: text positions are equal on every row
+            pos = torch.cat([prompt.position_ids, tail.expand(prompt.position_ids.shape[0], 1, -1)], dim=-1)
+        inputs = {k: torch.cat([v, v.new_zeros(v.shape[0], extra)], dim=1) if k in self.adapter.token_inputs else v
+                  for k, v in prompt.model_inputs.items()}
+        return ids, pos, inputs
+
+    def _prefilled(self, prompt: Prompt, tree: Tree, logits: torch.Tensor, positions: list[int] | None,
+                   prefix_rows: Rows | None, picker: Picker | None) -> tuple[Verified, Rows | None]:
+        """From the prefill's kept logits (the prompt rows asked for, then the root's and the nodes'): the
+        accepted path, the cache cut to the prompt and that path, and the prompt's rows."""
+        n = len(tree)
+        top = logits.shape[0] - n  # rows before the root's
+        if picker is None:
+            argmax, rows = greedy_and_rows(logits if positions is not None else logits[top:], self.top_k)
+            argmax = argmax[top:] if positions is not None else argmax
+            node_rows = Rows(ids=rows.ids[-n:], probs=rows.probs[-n:])
+        else:
+            argmax, node_rows = choose(logits[top:], [tree], [picker], self.top_k)
+            if positions is not None:
+                rows = greedy_and_rows(logits, self.top_k)[1]
+        path = accept(tree, argmax)
+        end = prompt.length  # the root sits at end - 1, node i at end - 1 + i
+        if n > 1:  # the accepted nodes' rows next to the prompt's, the rest dropped
+            contiguous = path == list(range(len(path)))
+            moved = None if contiguous else torch.tensor([i - 1 for i in path[1:]], device=self.device)
+            compat.keep_rows(self.cache, end, moved, end + len(path) - 1)
+        self.length = end + len(path) - 1
+        verified = Verified(path=path, bonus=argmax[path[-1]], argmax=argmax, rows=node_rows)
+        if positions is None:
+            return verified, None
+        prompt_rows = Rows(ids=rows.ids[:top + 1], probs=rows.probs[:top + 1], positions=positions[:top + 1])
+        self.prompt_rows = join_rows(prefix_rows, prompt_rows, prompt_rows.positions)
+        return verified, self.prompt_rows
 
     def _reusable(self, prompt: Prompt, reserve: int) -> tuple[int, Layers | None, Rows | None] | None:
         """The longest prefix of ``prompt`` already computed: in this cache, if it holds the turn before this one
@@ -120,31 +185,31 @@ class Engine:
 
     @torch.inference_mode()
     def prefill_from(self, prompt: Prompt, n: int, prefix: Layers | None, rows: Rows | None, want_rows: bool = False,
-                     reserve: int = 256, picker: Picker | None = None) -> tuple[int, Rows | None]:
-        """``prefill`` over the keys and values of the prompt's first ``n`` tokens, already computed: ``prefix``
-        (a copy, loaded into a new cache), or the first ``n`` positions of this cache (``prefix`` None). Only the
-        suffix runs, as a chain of text tokens (no image token is left in it) at positions n.. (+ the rope
-        delta), each seeing the prefix and the tokens before it; ``rows``, the prefix's stored prefill rows,
-        and the suffix's make the rows a full prefill gives."""
-        total = prompt.length
+                     reserve: int = 256, picker: Picker | None = None,
+                     tree: Tree | None = None) -> tuple[Verified, Rows | None]:
+        """``prefill_tree`` over the keys and values of the prompt's first ``n`` tokens, already computed:
+        ``prefix`` (a copy, loaded into a new cache), or the first ``n`` positions of this cache (``prefix``
+        None). Only the suffix runs, as a chain of text tokens (no image token is left in it) at positions n..
+        (+ the rope delta), each seeing the prefix and the tokens before it, then the tree's nodes; ``rows``, the
+        prefix's stored prefill rows, and the suffix's make the rows a full prefill gives."""
+        tree = tree if tree is not None else Tree.root(int(prompt.input_ids[0, -1]))
+        total, extra = prompt.length, len(tree) - 1
         if prefix is None:
             compat.keep_rows(self.cache, n, None, n)
         else:
             self._new_cache(self._room(total, reserve))
             compat.load_prefixes(self.cache, [prefix], [n])
         self.rope_delta, self.length = prompt.rope_delta, n
-        ids = prompt.input_ids[:, n:]
-        pos = torch.arange(n, total, device=self.device)[None] + self.rope_delta
-        mask = self.adapter.layer_masks(self._chain_mask(total - n), pos, n)
+        ids = torch.cat([prompt.input_ids[:, n:], torch.tensor([tree.tokens[1:]], dtype=prompt.input_ids.dtype,
+                                                               device=self.device)], dim=1)
+        depths = torch.tensor(tree.depths()[1:], dtype=torch.long, device=self.device) + (total - 1)
+        pos = torch.cat([torch.arange(n, total, device=self.device), depths])[None] + self.rope_delta
+        mask = self.adapter.layer_masks(self._chain_tree_mask(total - n, tree.parents), pos, n)
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
-                         logits_to_keep=0 if want_rows else 1, **{self._cache_kw: self.cache})
-        self.length, self.hit, self.prompt_rows = total, n, None
-        logits = out.logits[0]
-        first = int(logits[-1].argmax()) if picker is None else first_token(logits[-1:], prompt, picker, self.top_k)
-        if not want_rows:
-            return first, None
-        self.prompt_rows = join_rows(rows, greedy_and_rows(logits, self.top_k)[1], list(range(n, total)))
-        return first, self.prompt_rows
+                         logits_to_keep=0 if want_rows else extra + 1, **{self._cache_kw: self.cache})
+        self.hit, self.prompt_rows = n, None
+        return self._prefilled(prompt, tree, out.logits[0], list(range(n, total + extra)) if want_rows else None,
+                               rows, picker)
 
     def _room(self, length: int, reserve: int) -> int:
         return length + reserve + max(self.buckets)
@@ -162,15 +227,25 @@ class Engine:
         self.prefixes.offer(ids[:n], prompt.image_keys, lambda: compat.row_layers(self.cache, 0, n),
                             self.prompt_rows)
 
-    def _chain_mask(self, t: int) -> torch.Tensor:
-        """Additive (1, 1, t, P+t) mask of t tokens appended in order: each sees the prefix, the tokens before
-        it and itself (over a static cache the mask spans its capacity)."""
-        p = self.length
-        width = self.capacity if self.static else p + t
-        mask = torch.full((t, width), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
+    def _chain_tree_mask(self, t: int, parents: list[int]) -> torch.Tensor:
+        """Additive (1, 1, t+e, P+t+e) mask of t tokens appended in order after the cache's P, then a tree's e
+        nodes under the last of them: each token sees the prefix, the tokens before it and itself; each node the
+        prefix, the whole chain and its ancestors (over a static cache the mask spans its capacity)."""
+        p, e = self.length, len(parents) - 1
+        low = torch.finfo(self.dtype).min
+        width = self.capacity if self.static else p + t + e
+        mask = torch.full((t + e, width), low, dtype=self.dtype, device=self.device)
         mask[:, :p] = 0.0
-        mask[:, p:p + t] = torch.full((t, t), torch.finfo(self.dtype).min, dtype=self.dtype,
-                                      device=self.device).triu(1)
+        mask[:t, p:p + t] = torch.full((t, t), low, dtype=self.dtype, device=self.device).triu(1)
+        if e:
+            mask[t:, p:p + t] = 0.0
+            rows, cols, lines = [], [], [[]]
+            for i in range(1, e + 1):  # node i sits at row/column t - 1 + i (the root is the chain's last token)
+                line = lines[parents[i]] + [i]
+                lines.append(line)
+                rows.extend([t - 1 + i] * len(line))
+                cols.extend(p + t - 1 + j for j in line)
+            mask[rows, cols] = 0.0
         return mask[None, None]
 
     @torch.inference_mode()
@@ -237,12 +312,6 @@ class Engine:
 
     def _bucket(self, n: int) -> int:
         return bucket(n, self.buckets) if self.static else n
-
-    def _causal_mask(self, n: int) -> torch.Tensor:
-        """Prefill mask over a static cache: causal within the prompt, nothing beyond it."""
-        mask = torch.full((n, self.capacity), torch.finfo(self.dtype).min, dtype=self.dtype)
-        mask[:, :n] = torch.full((n, n), torch.finfo(self.dtype).min, dtype=self.dtype).triu(1)
-        return mask.to(self.device)[None, None]
 
     def _tree_mask(self, parents: list[int]) -> torch.Tensor:
         """Additive (1, 1, T, P+T) mask in the model dtype. Additive, not bool: eager attention adds the mask.
@@ -332,6 +401,8 @@ class Generation:
     verify_s: float = 0.0
     prompt_tokens: int = 0
     prefix_hit: int = 0  # prompt tokens taken from the prefix cache instead of prefilled
+    prefill_tokens: int = 1  # tokens the prefill emitted: the first, and any draft it verified (prefill_tree)
+    prefill_nodes: int = 1  # the tree the prefill verified, root (the prompt's last token) included
 
     @property
     def decode_s(self) -> float:
@@ -340,8 +411,8 @@ class Generation:
     @property
     def mean_accepted(self) -> float:
         """Tokens emitted per verification step (accepted drafts + the bonus), the paper's acceptance length;
-        the first token comes from prefill, not from a step."""
-        return (len(self.tokens) - 1) / self.steps if self.steps else 0.0
+        the prefill's tokens come from no step."""
+        return (len(self.tokens) - self.prefill_tokens) / self.steps if self.steps else 0.0
 
 
 def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int, picker: Picker | None = None) -> Generation:
@@ -357,16 +428,30 @@ def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int, picke
     chosen = {} if picker is None else {"picker": picker}  # plain greedy calls stay as they always were
     if picker is not None:
         picker.start(prompt.input_ids[0])
-    first, rows = engine.prefill(prompt, want_rows=drafter.wants_prefill_rows, reserve=max_new_tokens, **chosen)
     context = prompt.input_ids[0].tolist()
-    drafter.start(context, rows)
-    gen.prefill_s = time.perf_counter() - t0  # the drafter's start (memories seeded from the prompt) included
-    context.append(first)
-    gen.tokens.append(first)
-    gen.by_source[Source.BONUS.name] += 1
+    early = drafter.drafts_at_prefill and engine.drafts_in_prefill
+    if early:  # the answer's first tokens are drafted from what the drafter knows before this prompt's rows
+        drafter.start(context, None)
+        t1 = time.perf_counter()
+        tree = drafter.propose(context, room=max_new_tokens - 1).without(engine.adapter.image_token_id)
+        gen.draft_s = time.perf_counter() - t1
+    else:
+        tree = Tree.root(context[-1])
+    verified, rows = engine.prefill_tree(prompt, tree, want_rows=drafter.wants_prefill_rows, reserve=max_new_tokens,
+                                         **chosen)
+    if early:
+        drafter.prompt_rows(context, rows)
+        drafter.observe(tree, verified)
+    else:
+        drafter.start(context, rows)
+    # The drafter's start (memories seeded from the prompt) included; drafting the prefill's tree is drafting.
+    gen.prefill_s = time.perf_counter() - t0 - gen.draft_s
+    added, done = commit(gen, tree, verified, eos, max_new_tokens, step=False)
+    gen.prefill_tokens, gen.prefill_nodes = len(added), len(tree)
+    context.extend(added)
     if picker is not None:
-        picker.extend([first])
-    while first not in eos and len(gen.tokens) < max_new_tokens:
+        picker.extend(added)
+    while not done:
         t1 = time.perf_counter()
         tree = drafter.propose(context, room=max_new_tokens - len(gen.tokens) - 1)
         t2 = time.perf_counter()
@@ -382,18 +467,15 @@ def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int, picke
         context.extend(added)
         if picker is not None:
             picker.extend(added)
-        if done:
-            break
     return gen
 
 
-def commit(gen: Generation, tree: Tree, verified: Verified, eos: set[int],
-            max_new_tokens: int) -> tuple[list[int], bool]:
-    """Append the accepted tokens and the bonus, cut at EOS or the token budget; say if the request ended."""
+def commit(gen: Generation, tree: Tree, verified: Verified, eos: set[int], max_new_tokens: int,
+           step: bool = True) -> tuple[list[int], bool]:
+    """Append the accepted tokens and the bonus, cut at EOS or the token budget; say if the request ended.
+    ``step``: the tree was verified by a step (not by the prefill, which is no step)."""
     new = [(tree.tokens[i], Source(tree.sources[i]).name) for i in verified.path[1:]]
     new.append((verified.bonus, Source.BONUS.name))
-    gen.steps += 1
-    gen.tree_nodes += len(tree)
     added, done = [], False
     for token, source in new:
         added.append(token)
@@ -402,6 +484,9 @@ def commit(gen: Generation, tree: Tree, verified: Verified, eos: set[int],
         if token in eos or len(gen.tokens) >= max_new_tokens:
             done = True
             break
-    # Drafted tokens that were emitted: an EOS or the token limit inside the path cuts the rest (and the bonus).
-    gen.accepted_hist[min(len(added), len(new) - 1)] += 1
+    if step:
+        gen.steps += 1
+        gen.tree_nodes += len(tree)
+        # Drafted tokens that were emitted: an EOS or the token limit inside the path cuts the rest (and the bonus).
+        gen.accepted_hist[min(len(added), len(new) - 1)] += 1
     return added, done

@@ -51,6 +51,18 @@ class Tree:
             d[i] = d[self.parents[i]] + 1
         return d
 
+    def without(self, token: int | None) -> "Tree":
+        """This tree less the nodes holding ``token`` and those under them (itself when none does)."""
+        if token is None or token not in self.tokens[1:]:
+            return self
+        keep, where = [0], {0: 0}
+        for i in range(1, len(self.tokens)):
+            if self.parents[i] in where and self.tokens[i] != token:
+                where[i] = len(keep)
+                keep.append(i)
+        sources = [self.sources[i] for i in keep] if self.sources else []
+        return Tree([self.tokens[i] for i in keep], [-1] + [where[self.parents[i]] for i in keep[1:]], sources)
+
     def validate(self) -> None:
         if not self.tokens or self.parents[0] != -1:
             raise ValueError("a tree starts with its root (parent -1)")

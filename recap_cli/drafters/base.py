@@ -18,12 +18,18 @@ class Drafter:
 
     name = "ar"
     wants_prefill_rows = False
+    # Draft the answer's first tokens before the prompt runs, to be verified in its forward pass (the engine's
+    # ``prefill_tree``): ``start`` comes without rows, then ``propose``, then ``prompt_rows`` and ``observe``.
+    drafts_at_prefill = False
     wants_costs = False
     cost: StepCost | None = None
     grown = 0  # nodes the last proposal built before any cut to size (its drafting work)
 
     def start(self, prompt: list[int], rows: Rows | None) -> None:
         """A new request begins (per-request memories reset here); ``rows`` are the prefill predictions."""
+
+    def prompt_rows(self, prompt: list[int], rows: Rows | None) -> None:
+        """The prefill's predictions, when they come after ``start`` (a drafter that drafts at prefill)."""
 
     def propose(self, context: list[int], room: int) -> Tree:
         """A tree whose root is ``context[-1]``; ``room`` bounds useful depth (tokens left after the bonus)."""

@@ -34,6 +34,10 @@ more expected tokens than the run earns in the time it costs, and is cut to the 
 cost.py), down to the root alone: a plain greedy step where nothing is predictable enough. A request whose trees
 keep falling short of their chances scales them down for its own sizing (``Trust``); a drafted end-of-answer
 token is a leaf.
+
+An answer's first tree is drafted before its prompt runs (``early``), from what the memories already hold (how
+earlier answers went on from the same prompt ending), and verified in the prompt's own forward pass
+(decoding/engine.py ``prefill_tree``): the first tokens it gets right cost no step.
 """
 
 from __future__ import annotations
@@ -95,7 +99,8 @@ class RecapDrafter(Drafter):
                  orders: Iterable[int] = (1, 2, 3),
                  mixing: str = "confidence", weights: tuple[float, ...] = CONFIDENCE_WEIGHTS, suffix: bool = True,
                  stream_depth: int = 32, stream_requests: int = 1000, budget: int | str = "auto", depth: int = 24,
-                 width: int = 2, top_k: int = 8, cap: int = 1 << 16, calibrate: bool = True, paced: bool = True):
+                 width: int = 2, top_k: int = 8, cap: int = 1 << 16, calibrate: bool = True, paced: bool = True,
+                 early: bool = True):
         if mixing not in ("confidence", "fixed"):
             raise ValueError("mixing is 'confidence' or 'fixed'")
         if budget != "auto" and not (isinstance(budget, int) and budget >= 0):
@@ -110,6 +115,7 @@ class RecapDrafter(Drafter):
         self.banned = frozenset(banned)
         self.stops = frozenset(stops)  # a drafted stop token is a leaf: the generation ends there
         self.cap, self.paced, self.calibrate = cap, paced, calibrate
+        self.drafts_at_prefill = early  # the first tree rides on the prompt's forward pass (where the engine can)
         self.vocab_size = vocab_size
         self.order1 = TokenTable(vocab_size)
         self.stream = StreamMemory(self.banned, stream_depth, stream_requests)  # shared by every row of a batch
@@ -157,6 +163,9 @@ class RecapDrafter(Drafter):
             self.index.segs = self.stream.begin()
             self.index.seen = self.stream.unseen(prompt)
             self._write(prompt)
+        self.prompt_rows(prompt, rows)
+
+    def prompt_rows(self, prompt: list[int], rows: Rows | None) -> None:
         if rows is not None:
             self._store_rows(rows.ids.tolist(), rows.probs.tolist(),
                              [tuple(prompt[max(0, i - 2): i + 1]) for i in rows.positions])
