@@ -8,6 +8,7 @@ import torch
 from recap_cli.decoding.cost import StepCost
 from recap_cli.drafters import PromptLookupDrafter, RecapDrafter, TokenRecyclingDrafter, make_drafter
 from recap_cli.drafters.memory import KeyedMemory, NgramIndex, TokenTable
+from recap_cli.drafters.recap import OPENING_LANE
 from recap_cli.drafters.tr import LEVEL_SIZES, build_template
 from recap_cli.decoding.tree import Rows, Source, Tree, Verified
 
@@ -40,7 +41,9 @@ def costs(seconds_at: dict[int, float] | None = None, sizes=(1, 2, 4, 8, 16, 32,
 
 
 def drafter(**kw) -> RecapDrafter:
-    d = RecapDrafter(V, banned=[IMAGE], **kw)
+    """These tests drive a request's steps by hand, often with the prompt itself as the context: a drafter that
+    drafts at prefill would take each of those trees for the request's opening (``early``), so it does not."""
+    d = RecapDrafter(V, banned=[IMAGE], **{"early": False} | kw)
     d.cost = costs()
     return d
 
@@ -393,3 +396,26 @@ def test_token_recycling_auto_cuts_its_template_by_path_chance():
     full.table = d.table
     assert 2 < len(tree) < len(full.propose([1, 2], room=10))
     assert tree.tokens[:4] == [2, 6, 7, 8]  # the likely chain survives the cut
+
+
+def test_a_failed_opening_leaves_the_requests_trust_alone():
+    """An opening (the tree at the prompt's end, drafted before the prompt runs) comes from how other answers
+    went on: its failure says nothing of this request, which must keep its trust and go on drafting, and it is
+    learned in a lane of its own, not in the classes answers' own text is drafted from; a failed tree of the
+    request's own text lowers its trust."""
+    d = RecapDrafter(V, budget="auto")
+    d.cost = costs()  # flat: every size costs what one token costs, so anything likely is drafted
+    d.start([1, 2, 3], None)
+    d.propose([1, 2, 3, 4, 5, 6, 7], room=10)  # the first answer, 4 5 6 7, is in the stream memory
+    d.start([1, 2, 3], None)
+    opening = d.propose([1, 2, 3], room=10)
+    assert opening.tokens[:2] == [3, 4] and sum(d.chances) > 1.5
+    classes = sum(d.stream_chances.tries) + sum(d.row_chances.tries)
+    d.observe(opening, verified(opening, rows_of(*[{}] * len(opening))))  # rejected at its first token
+    assert d.trust.factor == 1.0
+    assert sum(d.stream_chances.tries) + sum(d.row_chances.tries) == classes
+    assert sum(d.placed.tries[OPENING_LANE]) > 0 and d.placed.hits[OPENING_LANE] == [0.0] * 10
+    later = d.propose([1, 2, 3, 8, 4], room=10)
+    assert later.tokens[:2] == [4, 5]
+    d.observe(later, verified(later, rows_of(*[{}] * len(later))))
+    assert d.trust.factor < 1.0

@@ -29,7 +29,8 @@ class Drafter:
         """A new request begins (per-request memories reset here); ``rows`` are the prefill predictions."""
 
     def prompt_rows(self, prompt: list[int], rows: Rows | None) -> None:
-        """The prefill's predictions, when they come after ``start`` (a drafter that drafts at prefill)."""
+        """The prefill's predictions, when they come after ``start`` (a drafter that drafts at prefill); the
+        ``observe`` that follows is of the tree the prefill verified."""
 
     def propose(self, context: list[int], room: int) -> Tree:
         """A tree whose root is ``context[-1]``; ``room`` bounds useful depth (tokens left after the bonus)."""

@@ -35,9 +35,11 @@ cost.py), down to the root alone: a plain greedy step where nothing is predictab
 keep falling short of their chances scales them down for its own sizing (``Trust``); a drafted end-of-answer
 token is a leaf.
 
-An answer's first tree is drafted before its prompt runs (``early``), from what the memories already hold (how
-earlier answers went on from the same prompt ending), and verified in the prompt's own forward pass
-(decoding/engine.py ``prefill_tree``): the first tokens it gets right cost no step.
+An answer's first tree, its *opening*, is drafted before its prompt runs (``early``), from what the memories
+already hold (how earlier answers went on from the same prompt ending), and verified in the prompt's own forward
+pass (decoding/engine.py ``prefill_tree``): the first tokens it gets right cost no step. Openings continue
+differently from a passage inside an answer, so their nodes are mapped in a placed-calibration lane of their own
+and graded in no evidence class, and they say nothing about the request's own text: no ``Trust``.
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ ROW_CELLS = [((o * 4 + r) * 2 + other) for o in range(3) for r in range(4) for p
              for other in range(2)]
 ROW_ORDER_CELLS = len(ROW_CELLS) // 3  # cells per order: a row cell's order is cell // ROW_ORDER_CELLS + 1
 STREAM_LANE, ROW_LANE = 0, 1
+# The placed-node calibration's own lane for an opening's nodes (the tree drafted before its prompt runs),
+# whichever memory proposed them: how earlier answers began continues differently from a passage inside one.
+OPENING_LANE = 2
 # A candidate: (its lane's chance, token, stream cell or -1, row cell or -1: the class that gave the chance, its
 # placed chance). A node's candidates are in decreasing lane chance; the heap orders by placed chances.
 Candidate = tuple[float, int, int, int, float]
@@ -124,7 +129,7 @@ class RecapDrafter(Drafter):
         # often as they said, unsure ones far less (benchmarks/calibration.py, SmolLM2 and the demo model).
         self.stream_chances = CellChances(STREAM_CELLS, weight=0.75)
         self.row_chances = CellChances(ROW_CELLS, weight=1.0)  # of the guess p * p
-        self.placed = PlacedCalibration(lanes=2)
+        self.placed = PlacedCalibration(lanes=3)  # the stream, the rows, openings
         # The coefficients a tree reads, fetched by ``propose`` (None: the raw guesses, as uncalibrated).
         self._row_ab = self._stream_ab = (None, None)
         self._mapped = None
@@ -141,6 +146,8 @@ class RecapDrafter(Drafter):
         # cell], ``placed`` being (lane, lane chance) for the placed-node calibration (None at the root).
         self._nodes: list[list] = []
         self._here: set[int] | tuple = ()  # this request's segments in the stream memory (set by ``propose``)
+        self._prompt_length = 0  # where this request's answer starts: a tree rooted there is its opening
+        self._opening = False  # the last tree was an opening (drafted before the prompt ran, verified by it)
 
     @property
     def wants_costs(self) -> bool:
@@ -153,6 +160,7 @@ class RecapDrafter(Drafter):
             memory.clear()
         self._mixed.clear()
         self.trust = Trust()
+        self._prompt_length = len(prompt)
         self.stream_chances.renew()
         self.row_chances.renew()
         self.placed.renew()
@@ -182,17 +190,21 @@ class RecapDrafter(Drafter):
         if len(nodes) != len(tree):  # not this drafter's last tree (a test's hand-made one): keys from its paths
             nodes = [[key, None, 0, 0, (), None, -1] for key in self._node_keys(tree)]
         path = verified.path
-        if len(self.chances) == len(tree):
+        # A request's trust is how its own text keeps its trees' promises. Its opening was drafted before any of
+        # that text existed (from how other answers went on from the same prompt ending): a failed one says
+        # nothing about it, and would sink the trust to its floor before the request could say anything.
+        if len(self.chances) == len(tree) and not self._opening:
             self.trust.observe(sum(self.chances) - 1.0, len(path) - 1)
         self._store_rows(verified.rows.ids.tolist(), verified.rows.probs.tolist(), [node[0] for node in nodes],
                          verified.accepted_last(len(tree)))
         if self.calibrate:
-            self._grade(nodes, path, verified.argmax)
+            if not self._opening:  # the classes learn from answers' own text; openings have their lane below
+                self._grade(nodes, path, verified.argmax)
             accepted, parents, placed = set(path), tree.parents, self.placed
             for i in range(1, len(tree)):
                 lane = nodes[i][5]
                 if lane is not None and parents[i] in accepted:  # a fair test of the node's own chance
-                    placed.record(lane[0], lane[1], i in accepted)
+                    placed.record(OPENING_LANE if self._opening else lane[0], lane[1], i in accepted)
 
     def _grade(self, nodes: list[list], path: list[int], argmax: list[int]) -> None:
         """Every candidate of an accepted node was put to the test: it passed iff it is the argmax there. Each
@@ -418,7 +430,8 @@ class RecapDrafter(Drafter):
             if mapped is None:
                 out.append((c, t, s_cell, r_cell, c))
                 continue
-            a, b = mapped[STREAM_LANE if s_cell >= 0 else ROW_LANE][min(int(c * 10), 9) if c > 0 else 0]
+            lane = OPENING_LANE if self._opening else STREAM_LANE if s_cell >= 0 else ROW_LANE
+            a, b = mapped[lane][min(int(c * 10), 9) if c > 0 else 0]
             out.append((c, t, s_cell, r_cell, a + b * c))
         out.sort(reverse=True)
         return out
@@ -436,6 +449,7 @@ class RecapDrafter(Drafter):
         self._write(context)
         self._nodes = [[tuple(context[-3:]), None, 0, 0, (), None, -1]]
         self.chances = [1.0]
+        self._opening = False
         return Tree.root(context[-1])
 
     def propose(self, context: list[int], room: int) -> Tree:
@@ -454,6 +468,7 @@ class RecapDrafter(Drafter):
         self._row_ab = self.row_chances.coefficients() if calibrated else (None, None)
         self._stream_ab = self.stream_chances.coefficients() if calibrated else (None, None)
         self._mapped = self.placed.coefficients() if calibrated else None
+        self._opening = self.drafts_at_prefill and len(context) == self._prompt_length  # before the prompt runs
         first = self._candidates(tail, spos, m, 0) if max_depth > 0 else []
         # Per node: [key, stream position, match length, depth, candidates, (lane, lane chance) if placed, its row
         # cell (-1: not from the rows)]
