@@ -197,7 +197,7 @@ def _measured(record: dict, tokens: list[list[int]], req: Request, dataset: str,
         m.seconds = (record["prefill_ms"] + record["decode_ms"]) / 1000
         m.steps = record["steps"]
         m.nodes = round(record["mean_nodes"] * record["steps"])
-        m.emitted = record["new_tokens"] - record.get("prefill_tokens", record["turns"])
+        m.emitted = record["new_tokens"] - record["prefill_tokens"]
         m.draft_s = record["draft_ms"] / 1000
         m.decode_s = record["decode_ms"] / 1000
         m.prompt_tokens, m.prefix_hit = record.get("prompt_tokens", 0), record.get("prefix_hit", 0)

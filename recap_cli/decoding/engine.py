@@ -104,7 +104,7 @@ class Engine:
             raise ValueError("a tree at prefill holds the image placeholder: the model would take it for an image "
                              "slot (Tree.without drops it)")
         if self.prefixes is not None and (reuse := self._reusable(prompt, reserve)) is not None:
-            return self.prefill_from(prompt, *reuse, want_rows=want_rows, reserve=reserve, picker=picker, tree=tree)
+            return self.prefill_from(prompt, *reuse, tree, want_rows=want_rows, reserve=reserve, picker=picker)
         self.hit, self.prompt_rows, self.held = 0, None, None
         self._new_cache(prompt.length + reserve + max(self.buckets))
         self.rope_delta, self.length = prompt.rope_delta, 0
@@ -184,15 +184,14 @@ class Engine:
         return (best, hit.entry.layers, hit.entry.rows_before(best)) if hit is not None else None
 
     @torch.inference_mode()
-    def prefill_from(self, prompt: Prompt, n: int, prefix: Layers | None, rows: Rows | None, want_rows: bool = False,
-                     reserve: int = 256, picker: Picker | None = None,
-                     tree: Tree | None = None) -> tuple[Verified, Rows | None]:
+    def prefill_from(self, prompt: Prompt, n: int, prefix: Layers | None, rows: Rows | None, tree: Tree,
+                     want_rows: bool = False, reserve: int = 256,
+                     picker: Picker | None = None) -> tuple[Verified, Rows | None]:
         """``prefill_tree`` over the keys and values of the prompt's first ``n`` tokens, already computed:
         ``prefix`` (a copy, loaded into a new cache), or the first ``n`` positions of this cache (``prefix``
         None). Only the suffix runs, as a chain of text tokens (no image token is left in it) at positions n..
         (+ the rope delta), each seeing the prefix and the tokens before it, then the tree's nodes; ``rows``, the
         prefix's stored prefill rows, and the suffix's make the rows a full prefill gives."""
-        tree = tree if tree is not None else Tree.root(int(prompt.input_ids[0, -1]))
         total, extra = prompt.length, len(tree) - 1
         if prefix is None:
             compat.keep_rows(self.cache, n, None, n)
@@ -237,14 +236,9 @@ class Engine:
         mask = torch.full((t + e, width), low, dtype=self.dtype, device=self.device)
         mask[:, :p] = 0.0
         mask[:t, p:p + t] = torch.full((t, t), low, dtype=self.dtype, device=self.device).triu(1)
-        if e:
+        if e:  # node i sits at row t - 1 + i, column p + t - 1 + i: the root is the chain's last token
             mask[t:, p:p + t] = 0.0
-            rows, cols, lines = [], [], [[]]
-            for i in range(1, e + 1):  # node i sits at row/column t - 1 + i (the root is the chain's last token)
-                line = lines[parents[i]] + [i]
-                lines.append(line)
-                rows.extend([t - 1 + i] * len(line))
-                cols.extend(p + t - 1 + j for j in line)
+            rows, cols = ancestry(parents, t - 1, p + t - 1)
             mask[rows, cols] = 0.0
         return mask[None, None]
 
@@ -317,13 +311,7 @@ class Engine:
         """Additive (1, 1, T, P+T) mask in the model dtype. Additive, not bool: eager attention adds the mask.
         Over a static cache the mask spans its whole capacity; positions past P+T stay masked."""
         n, p = len(parents), self.length
-        ancestors: list[list[int]] = []
-        rows, cols = [], []
-        for i, parent in enumerate(parents):
-            line = (ancestors[parent] if parent >= 0 else []) + [p + i]
-            ancestors.append(line)
-            rows.extend([i] * len(line))
-            cols.extend(line)
+        rows, cols = ancestry(parents, 0, p)
         width = self.capacity if self.static else p + n
         mask = torch.full((n, width), torch.finfo(self.dtype).min, dtype=self.dtype)
         mask[:, :p] = 0.0
@@ -341,6 +329,19 @@ class Engine:
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
     """The smallest static step shape that holds ``n`` nodes (``n`` itself past the largest)."""
     return next((b for b in buckets if b >= n), n)
+
+
+def ancestry(parents: list[int], row: int = 0, column: int = 0) -> tuple[list[int], list[int]]:
+    """The cells a tree's mask opens when node i sits at mask row ``row + i`` and column ``column + i``: itself
+    and its ancestors (a node whose parent is -1, a static step's padding, has none)."""
+    lines: list[list[int]] = []
+    rows, cols = [], []
+    for i, parent in enumerate(parents):
+        line = (lines[parent] if parent >= 0 else []) + [column + i]
+        lines.append(line)
+        rows.extend([row + i] * len(line))
+        cols.extend(line)
+    return rows, cols
 
 
 def greedy_and_rows(logits: torch.Tensor, k: int) -> tuple[list[int], Rows]:

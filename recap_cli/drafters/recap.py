@@ -228,7 +228,7 @@ class RecapDrafter(Drafter):
     def _store_rows(self, ids: list, probs: list, keys: list[tuple[int, ...]],
                     order: Iterable[int] | None = None) -> None:
         """Rows (lists, read-only from here on) under their keys; later rows overwrite earlier ones."""
-        use1, use2, use3 = 1 in self.orders, 2 in self.orders, 3 in self.orders
+        use3, use2, use1 = self._uses
         table, vocab = self.order1.rows, self.order1.vocab_size
         m2, m3 = self.keyed[2].rows, self.keyed[3].rows
         for i in (range(len(keys)) if order is None else order):
