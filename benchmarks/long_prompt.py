@@ -76,7 +76,7 @@ def timed(adapter: Adapter, spec: str, batch: int, reqs: list[Request], max_new_
     startup, measuring, joins = [0.0], [False], []
     if session.batch_engine is not None:
         engine = session.batch_engine
-        measure, join = engine.measure_costs, engine.join
+        measure, join = engine.measure_costs, engine.join_trees
 
         def measured(*args, **kw):
             t1, measuring[0] = time.perf_counter(), True
@@ -91,7 +91,7 @@ def timed(adapter: Adapter, spec: str, batch: int, reqs: list[Request], max_new_
                 joins.append([p.length for p in prompts])
             return join(prompts, *args, **kw)
 
-        engine.measure_costs, engine.join = measured, joined
+        engine.measure_costs, engine.join_trees = measured, joined
     results = list(answer_all(session, reqs, "bench", max_new_tokens))
     seconds = time.perf_counter() - t0
     errors = [r["id"] for r, _ in results if r["error"] is not None]

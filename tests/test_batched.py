@@ -7,21 +7,24 @@ fp32 models benchmarks/batching.py reports the match rate instead.)
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
-from recap_cli.decoding import compat
+from recap_cli.decoding import batched, compat
 from recap_cli.batch import answer_all
 from recap_cli.decoding.batched import Batch, BatchEngine, Flight, length_groups
 from recap_cli.decoding.batched_static import StaticBatchEngine
 from recap_cli.decoding.cost import BatchCost, RowShare, SizeChooser, batch_width
-from recap_cli.drafters import RecapDrafter
-from recap_cli.decoding.engine import Engine
+from recap_cli.drafters import Drafter, RecapDrafter
+from recap_cli.decoding.engine import Engine, generate
+from recap_cli.prefix_cache import PrefixCache
 from recap_cli.records import Request
 from recap_cli.session import Session
 from recap_cli.decoding.tree import Tree
 
-from .conftest import make_image, request
+from .conftest import OracleDrafter, make_image, request
 
 QUESTIONS = ["What colour is the square?", "Describe the picture in one sentence, please.", "hi",
              "Summarise: the quick brown fox jumps over the lazy dog and runs into the forest."]
@@ -74,6 +77,8 @@ def test_every_method_at_every_batch_size_equals_batch_one(get_adapter, arch, tm
                 if method in ("recap", "tr") and (costs == "flat" or method == "tr"):  # real trees, many rows
                     nodes = sum(r["mean_nodes"] * r["steps"] for r, _ in out) / sum(r["steps"] for r, _ in out)
                     assert nodes > 3, (method, n)
+                if method == "recap" and costs == "flat":  # openings verified by the joint prefills
+                    assert any(r["prefill_tokens"] > 1 for r, _ in out), n
 
 
 def test_each_rows_cache_holds_its_own_accepted_rows(get_adapter):
@@ -104,6 +109,123 @@ def test_each_rows_cache_holds_its_own_accepted_rows(get_adapter):
             assert torch.allclose(mine.keys[r, :, :length], theirs.keys[0], atol=1e-10)
             assert torch.allclose(mine.values[r, :, :length], theirs.values[0], atol=1e-10)
     assert batch.cache.layers[0].keys.shape[2] == max(s.length for s in batch.slots)  # cut to the longest row
+
+
+# Each row's opening (nodes, chance a node is right): all right, all wrong, bushy and often right.
+OPENINGS = [(12, 1.0), (12, 0.0), (64, 0.6), (33, 0.8)]
+EARLY_TOKENS = 24
+
+
+def early_prompts(adapter, arch: str) -> list:
+    """Prompts of different lengths (questions, image sizes): the joint prefill pads them."""
+    return [adapter.build(*request(arch, q, seed, (80 + 24 * (seed % 2), 60))) for seed, q in enumerate(QUESTIONS)]
+
+
+def decode_with_openings(batch: BatchEngine, adapter, prompts: list, refs: list[list[int]],
+                         seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Join ``prompts`` with oracle openings (``OPENINGS``) verified by their joint prefill, then oracle trees
+    step by step: each row's tokens as long as its reference, and how many of them the prefill gave."""
+    contexts = [p.input_ids[0].tolist() for p in prompts]
+    drafters = [OracleDrafter(ref, p_right, nodes, seed=seed + r, vocab=adapter.vocab_size, early=True)
+                for r, (ref, (nodes, p_right)) in enumerate(zip(refs, OPENINGS))]
+    for drafter, context in zip(drafters, contexts):
+        drafter.start(context, None)
+    trees = [d.propose(c, EARLY_TOKENS - 1).without(adapter.image_token_id) for d, c in zip(drafters, contexts)]
+    outs = [[t.tokens[i] for i in v.path[1:]] + [v.bonus] for t, (v, _) in zip(trees, batch.join_trees(prompts, trees))]
+    firsts = [len(o) for o in outs]
+    for r, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert batch.slots[r].length == prompt.length + len(out) - 1  # its prompt and accepted path, no more
+    while any(len(o) < EARLY_TOKENS for o in outs):
+        trees = [d.propose(c + o, EARLY_TOKENS) for d, c, o in zip(drafters, contexts, outs)]
+        for out, tree, v in zip(outs, trees, batch.verify(trees)):
+            out.extend([tree.tokens[i] for i in v.path[1:]] + [v.bonus])
+    return [o[:len(ref)] for o, ref in zip(outs, refs)], firsts  # a reference ends early at its EOS
+
+
+def greedy_refs(adapter, prompts: list) -> list[list[int]]:
+    return [generate(Engine(adapter), p, Drafter(), EARLY_TOKENS).tokens for p in prompts]
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("arch", ["qwen", "llava", "text"])
+def test_trees_verified_at_a_joint_prefill_equal_greedy(get_adapter, arch, static):
+    """Every joining prompt's first tree rides on the joint prefill (BatchEngine.join_trees: right-padded
+    prompts, each tree after its own prompt under a per-row 4-D mask and explicit positions, M-RoPE delta
+    included): from all-wrong to all-right, each row's tokens are batch 1's, a right draft is taken by the
+    prefill, and each row keeps only its prompt and accepted path (on the static-shape engine too)."""
+    adapter = get_adapter(arch)
+    prompts = early_prompts(adapter, arch)
+    assert len({p.length for p in prompts}) > 1
+    refs = greedy_refs(adapter, prompts)
+    batch = (StaticBatchEngine(adapter, max_batch=4, capacity=96) if static else BatchEngine(adapter, max_batch=4))
+    got, firsts = decode_with_openings(batch, adapter, prompts, refs)
+    assert got == refs
+    assert firsts[0] > 1 and firsts[1] == 1  # an all-right tree gives its deepest path, an all-wrong one the first
+
+
+@pytest.mark.parametrize("arch", ["qwen", "llava", "text"])
+def test_trees_verified_over_reused_prefixes_equal_greedy(get_adapter, arch):
+    """The same prompts again, their starts taken from the prefix cache: each suffix runs as a chain after its
+    prefix and its tree after the chain (BatchEngine._extend), in one pass with any fresh prompt."""
+    adapter = get_adapter(arch)
+    prompts = early_prompts(adapter, arch)
+    refs = greedy_refs(adapter, prompts)
+    batch = BatchEngine(adapter, max_batch=4)
+    batch.prefixes = PrefixCache(64)
+    assert decode_with_openings(batch, adapter, prompts[:2], refs[:2])[0] == refs[:2]
+    batch.leave(list(range(len(batch.slots))))
+    got, firsts = decode_with_openings(batch, adapter, prompts, refs, seed=7)  # 0 and 1 reused, 2 and 3 fresh
+    assert batch.hits[:2] != [0, 0] and got == refs
+    assert firsts[0] > 1 and firsts[1] == 1
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl", "llava_onevision", "idefics3", "smolvlm", "internvl"])
+def test_every_family_takes_trees_at_a_joint_prefill(get_adapter, arch):
+    adapter = get_adapter(arch)
+    prompts = early_prompts(adapter, arch)
+    refs = greedy_refs(adapter, prompts)
+    got, firsts = decode_with_openings(BatchEngine(adapter, max_batch=4), adapter, prompts, refs)
+    assert got == refs and firsts[0] > 1 and firsts[1] == 1
+
+
+def hidden_path(ref: list[int], root: int, vocab: int, wrong: int = 20, right: int = 8) -> Tree:
+    """A right chain of ``right`` tokens under the root, placed after a wrong chain of ``wrong`` in node order:
+    under a mask causal over the nodes the right path would see the wrong branch."""
+    rng = random.Random(root)
+    tokens = [root] + [(ref[0] + 1 + rng.randrange(vocab - 1)) % vocab for _ in range(wrong)] + ref[:right]
+    return Tree(tokens=tokens, parents=[-1] + list(range(wrong)) + [0] + list(range(wrong + 1, wrong + right)))
+
+
+@pytest.mark.parametrize("arch", ["qwen", "llava", "text"])
+def test_check_catches_a_causal_mask_over_trees_at_a_joint_prefill(get_adapter, monkeypatch, arch):
+    """A node riding on the joint prefill must see its prompt and its ancestors only, not every node before it."""
+    adapter = get_adapter(arch)
+    prompts = early_prompts(adapter, arch)
+    refs = greedy_refs(adapter, prompts)
+    trees = [hidden_path(ref, int(p.input_ids[0, -1]), adapter.vocab_size).without(adapter.image_token_id)
+             for p, ref in zip(prompts, refs)]
+
+    def emitted() -> list[list[int]]:
+        joined = BatchEngine(adapter, max_batch=4).join_trees(prompts, trees)
+        return [[t.tokens[i] for i in v.path[1:]] + [v.bonus] for t, (v, _) in zip(trees, joined)]
+
+    assert emitted() == [ref[:9] for ref in refs]  # the whole right path, and the bonus after it
+    real = batched.chain_tree_seen
+    monkeypatch.setattr(batched, "chain_tree_seen", lambda c, parents, *a: real(c + len(parents) - 1, [-1], *a))
+    assert emitted() != [ref[:9] for ref in refs]
+
+
+def test_gemma3_joins_without_trees(get_adapter):
+    """Gemma 3 prefills under a mask of its own (image blocks both ways): a joint prefill takes no tree, and a
+    drafter that drafts at prefill gets its first tree after it (Batch asks the engine)."""
+    adapter = get_adapter("gemma3")
+    batch = BatchEngine(adapter, max_batch=2)
+    prompt = adapter.build(*request("gemma3", QUESTIONS[0]))
+    tree = Tree(tokens=[int(prompt.input_ids[0, -1]), 5, 6], parents=[-1, 0, 1])
+    with pytest.raises(ValueError, match="mask of its own"):
+        batch.join_trees([prompt], [tree])
+    assert not batch.drafts_in_prefill and batch.join([prompt])[0][0] == generate(Engine(adapter), prompt, Drafter(),
+                                                                                   1).tokens[0]
 
 
 def test_hostile_input_fails_only_its_own_record(get_adapter, tmp_path, monkeypatch):
@@ -149,14 +271,14 @@ def test_a_joint_prefill_that_fails_is_retried_alone(get_adapter, tmp_path, monk
     reqs = stream("text", tmp_path, 6)
     reqs[2].turns = ["a very long question " * 60]
     want = run(Session(adapter, "ar"), reqs)
-    real_join = BatchEngine.join
+    real_join = BatchEngine.join_trees
 
-    def join(self, prompts, want_rows=False):
+    def join(self, prompts, trees, want_rows=False):
         if any(p.length > 200 for p in prompts):
             raise RuntimeError("out of memory\nat some allocator frame")
-        return real_join(self, prompts, want_rows)
+        return real_join(self, prompts, trees, want_rows)
 
-    monkeypatch.setattr(BatchEngine, "join", join)
+    monkeypatch.setattr(BatchEngine, "join_trees", join)
     out = run(Session(adapter, "ar", batch=4), reqs)
     assert out[2][0]["error"] == "RuntimeError: out of memory"
     assert [t for i, (_, t) in enumerate(out) if i != 2] == [t for i, (_, t) in enumerate(want) if i != 2]
@@ -303,13 +425,13 @@ def test_a_long_prompt_prefills_apart_and_every_token_stays(get_adapter, tmp_pat
     knobs = {"budget": 8} if method == "recap" else {}  # a fixed budget: no costs measured on copies of a prompt
     want = [tokens for _, tokens in run(Session(adapter, method, **knobs), reqs)]
     joined: list[list[int]] = []
-    real_join = BatchEngine.join
+    real_join = BatchEngine.join_trees
 
-    def join(self, prompts, want_rows=False):
+    def join(self, prompts, trees, want_rows=False):
         joined.append([p.length for p in prompts])
-        return real_join(self, prompts, want_rows)
+        return real_join(self, prompts, trees, want_rows)
 
-    monkeypatch.setattr(BatchEngine, "join", join)
+    monkeypatch.setattr(BatchEngine, "join_trees", join)
     out = run(Session(adapter, method, batch=5, **knobs), reqs)
     assert [tokens for _, tokens in out] == want
     assert any(len(g) > 1 for g in joined) and any(max(g) > 200 for g in joined)

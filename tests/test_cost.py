@@ -11,7 +11,8 @@ import pytest
 
 from recap_cli.batch import answer_all
 from recap_cli.decoding.batched import BatchEngine
-from recap_cli.decoding.cost import PROBE_FIRST, PROBE_MOST, UNKNOWN, BatchCost, Probes, StepCost, batch_width
+from recap_cli.decoding.cost import (PROBE_FIRST, PROBE_MOST, UNKNOWN, BatchCost, OpeningCost, Probes, StepCost, batch_width,
+                                     best_size)
 from recap_cli.decoding.engine import Engine, generate
 from recap_cli.decoding.tree import Source, Tree
 from recap_cli.drafters import Drafter
@@ -332,13 +333,13 @@ def test_a_run_times_nothing_but_its_own_steps(get_adapter, monkeypatch):
 
         engine.verify = verify
         if batch > 1:
-            real_join = engine.join
+            real_join = engine.join_trees
 
-            def join(prompts, want_rows=False, real_join=real_join):
+            def join(prompts, trees, want_rows=False, real_join=real_join):
                 counts["prompts"] += len(prompts)
-                return real_join(prompts, want_rows)
+                return real_join(prompts, trees, want_rows)
 
-            engine.join = join
+            engine.join_trees = join
         else:
             real_prefill = engine.prefill_tree
 
@@ -393,3 +394,19 @@ def test_unknown_costs_make_the_first_batched_step_a_plain_one():
     assert batch_width(cost, [GOOD] * 4) == 1
     cost.observe(4, 1, rows_like(4, 1))
     assert cost.probe() == 2
+
+
+def test_an_opening_pays_while_its_chances_beat_a_prefill_tokens_share_of_a_step_token():
+    """OpeningCost (batched openings ride on joint prefills): a prefill token costs the slope of the joins'
+    seconds over their tokens, not their mean (a small join is mostly fixed cost), and a node is kept while its
+    path chance beats (that slope + drafting) / a step's seconds per emitted token."""
+    cost = OpeningCost(max_nodes=64)
+    cost.observe_step(16, 0.016)  # 1 ms a token
+    cost.observe_prefill(100, 0.01 + 100 * 2e-4)
+    assert not cost.known  # one join size: no slope yet, and nothing guessed
+    for tokens in (20, 300, 60, 180):
+        cost.observe_prefill(tokens, 0.01 + tokens * 2e-4)
+    assert cost.known and cost.token_s == pytest.approx(2e-4)
+    cost.host_s = 5e-5
+    assert cost.ratio() == pytest.approx(0.25)
+    assert best_size([0.9, 0.6, 0.3, 0.2, 0.1], cost.chooser()) == 4  # root + the three nodes above 0.25

@@ -28,10 +28,11 @@ from ..drafters import Drafter
 from ..options import DEFAULT_BATCH, default_batch  # noqa: F401 - re-exported (they live where --help reads them)
 from ..prefix_cache import Hit, PrefixCache, common_prefix
 from . import compat
-from .cost import UNKNOWN, BatchCost, RowShare, batch_width
-from .engine import Generation, accept, commit, first_token, greedy_and_rows, join_rows, text_positions
+from .cost import UNKNOWN, BatchCost, OpeningCost, RowShare, batch_width
+from .engine import (Generation, accept, additive, chain_tree_seen, commit, greedy_and_rows, join_rows, text_positions,
+                     tree_prompt)
 from .sampling import Picker, choose
-from .tree import Rows, Source, Tree, Verified
+from .tree import Rows, Tree, Verified
 
 
 @dataclass
@@ -63,31 +64,49 @@ class BatchEngine:
         """Cache columns in use: the longest row (the buffer is cut to it after every change)."""
         return max((s.length for s in self.slots), default=0)
 
-    @torch.inference_mode()
+    @property
+    def drafts_in_prefill(self) -> bool:
+        """Whether a joining prompt can carry a draft tree (``join_trees``): see ``Adapter.drafts_in_prefill``."""
+        return self.adapter.drafts_in_prefill
+
     def join(self, prompts: list[Prompt], want_rows: bool = False,
              pickers: list[Picker | None] | None = None) -> list[tuple[int, Rows | None]]:
-        """Prefill ``prompts`` together in one forward pass (right-padded), then add them as the last rows;
-        each one's first token (greedy, or its picker's choice) and, if asked, its top-k rows at every text
-        position. With ``prefixes``, prompts that start like an earlier one prefill only their suffixes
-        (``_reuse``)."""
+        """``join_trees`` without drafts: each prompt's first token (greedy, or its picker's choice) and, if
+        asked, its top-k rows at every text position."""
+        trees = [Tree.root(int(p.input_ids[0, -1])) for p in prompts]
+        return [(v.bonus, rows) for v, rows in self.join_trees(prompts, trees, want_rows, pickers)]
+
+    @torch.inference_mode()
+    def join_trees(self, prompts: list[Prompt], trees: list[Tree], want_rows: bool = False,
+                   pickers: list[Picker | None] | None = None) -> list[tuple[Verified, Rows | None]]:
+        """Prefill ``prompts`` together in one forward pass (right-padded), each with a draft tree rooted at its
+        last token riding on it (the batch-1 ``Engine.prefill_tree``: an answer's first tokens accepted before any
+        step), then add them as the last rows, each holding its prompt and its accepted path. Per prompt: the
+        verdict on its tree (a root-only tree: the first token) and, if asked, its prompt's rows. With
+        ``prefixes``, prompts that start like an earlier one prefill only their suffixes (``_reuse``)."""
+        if any(len(t) > 1 for t in trees) and not self.drafts_in_prefill:
+            raise ValueError(f"{self.adapter.arch} prefills under a mask of its own: no draft tree rides on it")
+        if any(t.without(self.adapter.image_token_id) is not t for t in trees):
+            raise ValueError("a tree at prefill holds the image placeholder: the model would take it for an image "
+                             "slot (Tree.without drops it)")
+        pickers = pickers or [None] * len(prompts)
         if self.prefixes is None:
-            results, cache = self._prefill(prompts, want_rows, pickers)
+            results, cache = self._prefill(prompts, trees, want_rows, pickers)
             self.hits = [0] * len(prompts)
         else:
-            results, cache = self._reuse(prompts, want_rows, pickers)
-        self._admit(cache, prompts)
+            results, cache = self._reuse(prompts, trees, want_rows, pickers)
+        self._admit(cache, prompts, [p.length + len(v.path) - 1 for p, (v, _) in zip(prompts, results)])
         for slot, prompt, (_, rows) in zip(self.slots[-len(prompts):], prompts, results):
             slot.images, slot.rows = prompt.image_keys, rows
         return results
 
-    def _reuse(self, prompts: list[Prompt], want_rows: bool,
-               pickers: list[Picker | None] | None = None) -> tuple[list[tuple[int, Rows | None]], object]:
+    def _reuse(self, prompts: list[Prompt], trees: list[Tree], want_rows: bool,
+               pickers: list[Picker | None]) -> tuple[list[tuple[Verified, Rows | None]], object]:
         """The joint prefill with prefix reuse, in rounds: prompts with a cached prefix extend copies of it
         (``_extend``), the others are prefilled and offer their reusable part at once. A prompt that an earlier
         prompt of this join would serve (the same image, the same text before it) waits a round to extend that
         one's prefix, rather than encode the image again. The new rows' cache comes out in prompt order."""
         results: list = [None] * len(prompts)
-        pickers = pickers or [None] * len(prompts)
         self.hits = [0] * len(prompts)
         parts, todo = [], list(range(len(prompts)))
         while todo:
@@ -102,7 +121,8 @@ class BatchEngine:
                 else:
                     fresh.append(i)
             if fresh:
-                out, cache = self._prefill([prompts[i] for i in fresh], want_rows, [pickers[i] for i in fresh])
+                out, cache = self._prefill([prompts[i] for i in fresh], [trees[i] for i in fresh], want_rows,
+                                           [pickers[i] for i in fresh])
                 for j, i in enumerate(fresh):
                     results[i] = out[j]
                     end = min(self.adapter.reusable_end(prompts[i]), prompts[i].length)
@@ -111,8 +131,8 @@ class BatchEngine:
                 parts.append((fresh, cache))
             if found:
                 chosen = list(found)
-                out, cache = self._extend([prompts[i] for i in chosen], [found[i] for i in chosen], want_rows,
-                                          [pickers[i] for i in chosen])
+                out, cache = self._extend([prompts[i] for i in chosen], [found[i] for i in chosen],
+                                          [trees[i] for i in chosen], want_rows, [pickers[i] for i in chosen])
                 for j, i in enumerate(chosen):
                     results[i], self.hits[i] = out[j], found[i].length
                 parts.append((chosen, cache))
@@ -122,7 +142,8 @@ class BatchEngine:
         for _, more in parts[1:]:
             compat.append_rows(cache, more)
         if order != sorted(order):
-            compat.select_rows(cache, [order.index(i) for i in range(len(prompts))], max(p.length for p in prompts))
+            width = max(p.length + len(v.path) - 1 for p, (v, _) in zip(prompts, results))
+            compat.select_rows(cache, [order.index(i) for i in range(len(prompts))], width)
         return results, cache
 
     def _serves(self, first: Prompt, prompt: Prompt) -> bool:
@@ -132,56 +153,44 @@ class BatchEngine:
         common = min(common_prefix(first.input_ids[0], prompt.input_ids[0]), self.adapter.reusable_end(first))
         return self.prefixes.usable(common, prompt.length, self.adapter.image_end(prompt)) > 0
 
-    def _extend(self, prompts: list[Prompt], hits: list[Hit], want_rows: bool,
-                pickers: list[Picker | None]) -> tuple[list[tuple[int, Rows | None]], object]:
+    def _extend(self, prompts: list[Prompt], hits: list[Hit], trees: list[Tree], want_rows: bool,
+                pickers: list[Picker | None]) -> tuple[list[tuple[Verified, Rows | None]], object]:
         """Prefill each prompt's suffix over a copy of its cached prefix, all in one forward pass: row r's prefix
         at columns 0..n_r-1, its suffix a chain of text tokens (no image token is left in it) appended after the
-        longest prefix like a step's tree, every node kept and moved next to its prefix."""
+        longest prefix like a step's tree, then its draft tree's nodes (``chain_tree_seen``); the chain and the
+        accepted path are moved next to the prefix."""
         lengths = [h.length for h in hits]
         cache = self.adapter.new_cache()
         compat.load_prefixes(cache, [h.entry.layers for h in hits], lengths)
         w, dev = max(lengths), self.device
-        chains = [p.input_ids[0, n:] for p, n in zip(prompts, lengths)]
-        sizes = [c.numel() for c in chains]
-        b, t = len(prompts), max(sizes)
-        ids = torch.stack([torch.nn.functional.pad(c, (0, t - c.numel()), value=int(c[-1])) for c in chains])
-        start = torch.tensor([n + p.rope_delta for p, n in zip(prompts, lengths)], device=dev)
-        steps = torch.arange(t, device=dev)
-        pos = start[:, None] + steps[None]
-        # Node i of row r sees row r's prefix (columns < n_r), chain nodes 0..i, itself; padding only itself.
-        real = steps[None, :] < torch.tensor(sizes, device=dev)[:, None]  # (b, t)
-        seen = torch.zeros((b, t, w + t), dtype=torch.bool, device=dev)
-        seen[:, :, :w] = (torch.arange(w, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None])[:, None]
-        seen[:, :, :w] &= real[:, :, None]
-        causal = steps[None, :] <= steps[:, None]  # (t, t): node i sees nodes j <= i
-        seen[:, :, w:] = (causal[None] & real[:, None, :] & real[:, :, None]) | torch.eye(t, dtype=torch.bool,
-                                                                                            device=dev)[None]
-        mask = torch.zeros(seen.shape, dtype=self.dtype, device=dev).masked_fill_(~seen, torch.finfo(self.dtype).min)
-        mask = self.adapter.layer_masks(mask[:, None], pos, w)
-        needed = [list(range(n)) if want_rows else [n - 1] for n in sizes]
-        keep = sorted(set().union(*needed))
-        column = {c: j for j, c in enumerate(keep)}
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
-                         logits_to_keep=torch.tensor(keep, device=dev), **{self._cache_kw: cache})
-        rows_of = torch.tensor([r for r, cols in enumerate(needed) for _ in cols], device=dev)
-        cols_of = torch.tensor([column[c] for cols in needed for c in cols], device=dev)
-        argmax, rows = greedy_and_rows(out.logits[rows_of, cols_of], self.top_k)
-        results, at = [], 0
-        for prompt, picker, hit, n, size, cols in zip(prompts, pickers, hits, lengths, sizes, needed):
-            last = at + len(cols) - 1  # the prompt's last token: its logits choose the first new one
-            first = argmax[last]
-            if picker is not None:  # its own rule, the prompt its whole history
-                first = first_token(out.logits[rows_of[last], cols_of[last]][None], prompt, picker, self.top_k)
-            mine = None
-            if want_rows:
-                mine = join_rows(hit.entry.rows_before(n), Rows(ids=rows.ids[at:at + size],
-                                                                probs=rows.probs[at:at + size]),
-                                 list(range(n, n + size)))
-            results.append((first, mine))
-            at += len(cols)
-        moves = [(r, w + i, n + i) for r, (n, size) in enumerate(zip(lengths, sizes)) if n < w for i in range(size)]
-        moves = [torch.tensor(x, device=dev) for x in zip(*moves)] if moves else [None] * 3
-        compat.move_paths(cache, *moves, max(n + size for n, size in zip(lengths, sizes)))
+        chains = [p.length - n for p, n in zip(prompts, lengths)]
+        t = max(c + len(tree) - 1 for c, tree in zip(chains, trees))
+        ids, pos, seen = [], [], torch.zeros((len(prompts), t, w + t), dtype=torch.bool, device=dev)
+        for r, (prompt, tree, n, c) in enumerate(zip(prompts, trees, lengths, chains)):
+            row = prompt.input_ids[0, n:].tolist() + tree.tokens[1:]
+            ids.append(row + [row[-1]] * (t - len(row)))
+            depths = list(range(c)) + [c - 1 + d for d in tree.depths()[1:]]
+            pos.append([n + prompt.rope_delta + d for d in depths] + [0] * (t - len(row)))
+            seen[r, :len(row), :n] = True  # the prefix; padding sees only itself
+            seen[r, :, w:] = chain_tree_seen(c, tree.parents, t, dev)
+        ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(pos, device=dev)
+        mask = self.adapter.layer_masks(additive(seen, self.dtype)[:, None], pos_t, w)
+        # Per row: its chain's rows (if asked), then the root (the chain's last) and the tree's nodes.
+        needed = [list(range(0 if want_rows else c - 1, c - 1 + len(tree))) for c, tree in zip(chains, trees)]
+        out = self.model(input_ids=ids_t, position_ids=pos_t, attention_mask=mask, use_cache=True,
+                         logits_to_keep=torch.tensor(sorted(set().union(*needed)), device=dev),
+                         **{self._cache_kw: cache})
+        logits = self._kept(out.logits, needed)
+        positions = [list(range(n, n + c)) if want_rows else None for n, c in zip(lengths, chains)]
+        results = self._verdicts(logits, trees, [len(x) for x in needed], positions, pickers)
+        results = [(v, join_rows(h.entry.rows_before(n), rows, rows.positions) if rows is not None else None)
+                   for (v, rows), h, n in zip(results, hits, lengths)]
+        moves = []
+        for r, (n, c, (v, _)) in enumerate(zip(lengths, chains, results)):
+            if n < w:  # the chain next to the prefix
+                moves += [(r, w + i, n + i) for i in range(c)]
+            moves += [(r, w + c - 1 + i, n + c - 1 + k) for k, i in enumerate(v.path) if k and (n < w or k != i)]
+        self._move(cache, moves, max(n + c + len(v.path) - 1 for n, c, (v, _) in zip(lengths, chains, results)))
         return results, cache
 
     def offer_row(self, row: int, ids: list[int]) -> None:
@@ -195,41 +204,84 @@ class BatchEngine:
     def _row_layers(self, row: int, n: int):
         return compat.row_layers(self.cache, row, n)
 
-    def _prefill(self, prompts: list[Prompt], want_rows: bool,
-                 pickers: list[Picker | None] | None = None) -> tuple[list[tuple[int, Rows | None]], object]:
-        """The joint prefill: each prompt's first token and rows, and the new rows' own cache."""
-        inputs = self.adapter.batch_inputs(prompts)
-        needed = [self._needed(p, want_rows) for p in prompts]  # positions whose logits each row needs
-        keep = sorted(set().union(*needed))  # logits only there: a 7B vocabulary at every position is gigabytes
-        column = {pos: j for j, pos in enumerate(keep)}
+    def _prefill(self, prompts: list[Prompt], trees: list[Tree], want_rows: bool,
+                 pickers: list[Picker | None]) -> tuple[list[tuple[Verified, Rows | None]], object]:
+        """The joint prefill: each prompt's verdict and rows, and the new rows' own cache. Row r's prompt sits
+        at columns 0..L_r-1, its tree's node i at L_r-1+i, its accepted path is moved next to its prompt."""
+        drafted = any(len(t) > 1 for t in trees)
+        inputs = self._tree_inputs(prompts, trees) if drafted else self.adapter.batch_inputs(prompts)
+        # Positions whose logits each row needs (a 7B vocabulary at every position is gigabytes): its prompt's
+        # (if asked), then the root (its last) and its tree's nodes.
+        needed = [self._needed(p, want_rows) + [p.length - 1 + i for i in range(1, len(t))]
+                  for p, t in zip(prompts, trees)]
         cache = self.adapter.new_cache()
-        out = self.model(**inputs, use_cache=True, logits_to_keep=torch.tensor(keep, device=self.device),
+        out = self.model(**inputs, use_cache=True, logits_to_keep=torch.tensor(sorted(set().union(*needed)),
+                                                                               device=self.device),
                          **{self._cache_kw: cache})
-        rows_of = torch.tensor([r for r, positions in enumerate(needed) for _ in positions], device=self.device)
-        cols_of = torch.tensor([column[pos] for positions in needed for pos in positions], device=self.device)
-        argmax, rows = greedy_and_rows(out.logits[rows_of, cols_of], self.top_k)
-        results, start = [], 0
-        for prompt, positions in zip(prompts, needed):
-            n = len(positions)
-            first = argmax[start + n - 1]  # the last position is the prompt's last token
-            picker = pickers[len(results)] if pickers else None
-            if picker is not None:  # its own rule, the prompt its whole history
-                last = start + n - 1
-                first = first_token(out.logits[rows_of[last], cols_of[last]][None], prompt, picker, self.top_k)
-            mine = None
-            if want_rows:
-                mine = Rows(ids=rows.ids[start:start + n], probs=rows.probs[start:start + n], positions=positions)
-            results.append((first, mine))
-            start += n
+        logits = self._kept(out.logits, needed)
+        positions = [x[:len(x) - len(t) + 1] if want_rows else None for x, t in zip(needed, trees)]
+        results = self._verdicts(logits, trees, [len(x) for x in needed], positions, pickers)
+        if drafted:
+            moves = [(r, p.length - 1 + i, p.length - 1 + k) for r, (p, (v, _)) in enumerate(zip(prompts, results))
+                     for k, i in enumerate(v.path) if k != i]
+            self._move(cache, moves, max(p.length + len(v.path) - 1 for p, (v, _) in zip(prompts, results)))
         return results, cache
 
-    def _admit(self, cache, prompts: list[Prompt]) -> None:
-        """The prefilled rows join: appended after the rows in flight."""
+    def _tree_inputs(self, prompts: list[Prompt], trees: list[Tree]) -> dict:
+        """The joint prefill's inputs with every prompt's tree after it (``tree_prompt``), right-padded, under a
+        4-D mask (``chain_tree_seen``) and explicit positions (padding at 0)."""
+        whole = [tree_prompt(p, t, self.adapter.token_inputs) for p, t in zip(prompts, trees)]
+        inputs = self.adapter.batch_inputs([w for w, _ in whole])
+        width, dev = inputs["input_ids"].shape[1], self.device
+        rows = [pos[:, 0] if pos.dim() == 3 else pos for _, pos in whole]  # (3, L+e) or (1, L+e)
+        if any(pos.dim() == 3 for _, pos in whole):  # M-RoPE: a text-only row's positions are equal on all 3
+            rows = [r.expand(3, -1) for r in rows]
+        pads = [torch.nn.functional.pad(r, (0, width - r.shape[-1])) for r in rows]
+        inputs["position_ids"] = torch.stack(pads, dim=1) if rows[0].shape[0] == 3 else torch.cat(pads)
+        seen = torch.stack([chain_tree_seen(p.length, t.parents, width, dev) for p, t in zip(prompts, trees)])
+        inputs["attention_mask"] = additive(seen, self.dtype)[:, None]
+        return inputs
+
+    def _kept(self, logits: torch.Tensor, needed: list[list[int]]) -> torch.Tensor:
+        """The logits at each row's ``needed`` positions, row after row (the forward kept the union's)."""
+        column = {c: j for j, c in enumerate(sorted(set().union(*needed)))}
+        rows_of = torch.tensor([r for r, cols in enumerate(needed) for _ in cols], device=self.device)
+        cols_of = torch.tensor([column[c] for cols in needed for c in cols], device=self.device)
+        return logits[rows_of, cols_of]
+
+    def _verdicts(self, logits: torch.Tensor, trees: list[Tree], counts: list[int], positions: list[list[int] | None],
+                  pickers: list[Picker | None]) -> list[tuple[Verified, Rows | None]]:
+        """Each row's accepted path and prompt rows from its ``counts[r]`` kept logits (its prompt's rows asked
+        for, then its tree's root and nodes): greedy, or its picker's choice node by node."""
+        argmax, rows = greedy_and_rows(logits, self.top_k)
+        results, at = [], 0
+        for tree, count, where, picker in zip(trees, counts, positions, pickers):
+            root, end = at + count - len(tree), at + count
+            if picker is None:
+                mine, node_rows = argmax[root:end], Rows(ids=rows.ids[root:end], probs=rows.probs[root:end])
+            else:  # its own rule, the prompt its whole history
+                mine, node_rows = choose(logits[root:end], [tree], [picker], self.top_k)
+            path = accept(tree, mine)
+            mine_rows = None
+            if where is not None:  # the prompt's, the root's included (its last position)
+                mine_rows = Rows(ids=rows.ids[at:root + 1], probs=rows.probs[at:root + 1], positions=where)
+            results.append((Verified(path=path, bonus=mine[path[-1]], argmax=mine, rows=node_rows), mine_rows))
+            at = end
+        return results
+
+    def _move(self, cache, moves: list[tuple[int, int, int]], width: int) -> None:
+        """Apply (row, from column, to column) moves to the new rows' cache and cut it to ``width``."""
+        moves_t = [torch.tensor(x, device=self.device) for x in zip(*moves)] if moves else [None] * 3
+        compat.move_paths(cache, *moves_t, width)
+
+    def _admit(self, cache, prompts: list[Prompt], lengths: list[int]) -> None:
+        """The prefilled rows join, appended after the rows in flight, each holding ``lengths[r]`` tokens (its
+        prompt and the path its tree had accepted)."""
         if self.cache is None:
             self.cache = cache
         else:
             compat.append_rows(self.cache, cache)
-        self.slots += [Slot(p.length, p.rope_delta) for p in prompts]
+        self.slots += [Slot(n, p.rope_delta) for p, n in zip(prompts, lengths)]
 
     def _needed(self, prompt: Prompt, want_rows: bool) -> list[int]:
         """The prompt positions whose predictions a joining row needs, ending with its last (the first new
@@ -425,6 +477,7 @@ class Batch:
         # Realized / guessed drafted tokens of the steps whose width the rows' last trees chose: a row's next
         # tree is not its last, and the rows whose last trees looked best are the likeliest to fall short.
         self.trust, self._guessed = 1.0, 0.0
+        self.opening = OpeningCost(engine.per_row)  # what a joining row's first tree costs and earns
 
     def __len__(self) -> int:
         return len(self.flights)
@@ -460,40 +513,78 @@ class Batch:
             if picker is not None:
                 picker.start(prompt.input_ids[0])
         chosen = {"pickers": pickers} if any(pickers) else {}  # plain greedy calls stay as they always were
-        drafters = [self.drafter.fork() for _ in turns]
-        t0 = time.perf_counter()
-        firsts = self.engine.join([prompt for _, prompt, *_ in turns], want_rows=self.drafter.wants_prefill_rows,
-                                  **chosen)
-        prefill_s = (time.perf_counter() - t0) / len(turns)  # each turn's share of the joint prefill
+        flights = [Flight(tag, self.drafter.fork(), prompt.input_ids[0].tolist(), limit,
+                          Generation(prompt_tokens=prompt.length), pause=self.pause, picker=picker)
+                   for (tag, prompt, limit, *_), picker in zip(turns, pickers)]
         start = len(self.flights)
+        early = self.drafter.drafts_at_prefill and self.engine.drafts_in_prefill
+        failed: dict[int, Exception] = {}
+        trees = [self._opening(i, flight, failed) if early else Tree.root(flight.context[-1])
+                 for i, flight in enumerate(flights, start)]
+        t0 = time.perf_counter()
+        joined = self.engine.join_trees([prompt for _, prompt, *_ in turns], trees,
+                                        want_rows=self.drafter.wants_prefill_rows, **chosen)
+        seconds = time.perf_counter() - t0
+        prefill_s = seconds / len(turns)  # each turn's share of the joint prefill
+        self.flights += flights
         hits = self.engine.hits if len(self.engine.hits) == len(turns) else [0] * len(turns)
-        for (tag, prompt, limit, *_), picker, drafter, hit in zip(turns, pickers, drafters, hits):
-            gen = Generation(prefill_s=prefill_s, prompt_tokens=prompt.length, prefix_hit=hit)
-            self.flights.append(Flight(tag, drafter, prompt.input_ids[0].tolist(), limit, gen, pause=self.pause,
-                                       picker=picker))
-        ended, failed = [], {}
-        for i, (first, rows) in zip(range(start, len(self.flights)), firsts):
-            flight = self.flights[i]
+        self.opening.observe_prefill(sum(p.length - hit + len(tree) - 1 for (_, p, *_), hit, tree in
+                                         zip(turns, hits, trees)), seconds)
+        ended = []
+        for i, flight, tree, (verified, rows), hit in zip(range(start, len(self.flights)), flights, trees, joined,
+                                                        hits):
+            flight.gen.prefill_s += prefill_s
+            flight.gen.prefix_hit = hit
+            if i in failed:
+                continue
             t1 = time.perf_counter()
             try:
-                flight.drafter.start(flight.context, rows)
+                if early:
+                    flight.drafter.prompt_rows(flight.context, rows)
+                    flight.drafter.observe(tree, verified)
+                else:
+                    flight.drafter.start(flight.context, rows)
             except Exception as exc:  # noqa: BLE001 - one turn's failure is its own
                 failed[i] = exc
                 continue
-            flight.gen.prefill_s += time.perf_counter() - t1  # the drafter's start belongs to the turn's set-up
-            flight.context.append(first)
-            flight.gen.tokens.append(first)
-            flight.gen.by_source[Source.BONUS.name] += 1
+            flight.gen.prefill_s += time.perf_counter() - t1  # the drafter's set-up belongs to the turn's
+            added, done = commit(flight.gen, tree, verified, self.eos, flight.max_new_tokens, step=False)
+            flight.gen.prefill_tokens, flight.gen.prefill_nodes = len(added), len(tree)
+            flight.context.extend(added)
             if flight.picker is not None:
-                flight.picker.extend([first])
-            if first in self.eos or flight.max_new_tokens <= 1:
+                flight.picker.extend(added)
+            if done:
                 ended.append(i)
         return self._leave(sorted(ended + list(failed)), failed)
+
+    def _opening(self, i: int, flight: Flight, failed: dict[int, Exception]) -> Tree:
+        """A joining turn's first tree, drafted before its prompt runs and verified by its prefill (as at batch
+        1, decoding/engine.py ``generate``). Its nodes are tokens of a pass that runs anyway, so it is sized by
+        what a prefill token costs against what a step spends per token (``OpeningCost``), not as a step's tree:
+        none before the run has timed both."""
+        drafter, context = flight.drafter, flight.context
+        try:
+            t0 = time.perf_counter()
+            drafter.start(context, None)  # the drafter's set-up belongs to the turn's prefill, as at batch 1
+            flight.gen.prefill_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            if drafter.wants_costs:
+                if not self.opening.known:
+                    return drafter.rest(context)
+                self.opening.host_s = self.engine.cost.host_per_node
+                drafter.cost = self.opening
+            return drafter.propose(context, flight.max_new_tokens - 1).without(self.engine.adapter.image_token_id)
+        except Exception as exc:  # noqa: BLE001 - one turn's failure is its own; it joins, then leaves
+            failed[i] = exc
+            return Tree.root(context[-1])
+        finally:
+            flight.gen.draft_s += time.perf_counter() - t0
 
     def step(self) -> list[Outcome]:
         """One verification of every row. A row whose host work raises (its drafter, its bookkeeping) leaves
         with the exception as its result; the others go on unchanged."""
         failed: dict[int, Exception] = {}
+        started = time.perf_counter()
         trees, draft_s = self._draft(failed)
         out = self._leave(sorted(failed), failed)
         if not self.flights:
@@ -530,6 +621,8 @@ class Batch:
                 continue
             if done:
                 ended.append(i)
+        self.opening.observe_step(sum(f.last for i, f in enumerate(self.flights) if i not in failed),
+                                  time.perf_counter() - started)
         return out + self._leave(sorted(ended + list(failed)), failed)
 
     def _draft(self, failed: dict[int, Exception]) -> tuple[list[Tree], list[float]]:

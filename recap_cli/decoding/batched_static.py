@@ -49,21 +49,21 @@ class StaticBatchEngine(BatchEngine):
     def _batch_rows(self) -> list[int]:
         return self.place
 
-    def _admit(self, cache, prompts: list[Prompt]) -> None:
+    def _admit(self, cache, prompts: list[Prompt], lengths: list[int]) -> None:
         """Copy the prefilled rows into free slots; the counter moves past the longest so no step overwrites them."""
-        need = max(p.length for p in prompts)
+        need = max(lengths)
         compat.allocate_static(self.cache, cache, self.max_batch)
         if need + max(self.buckets) > self.capacity:
             self._grow(need + max(self.buckets))
         if self.top + max(self.buckets) > self.capacity:
             self._compact()
         free = [s for s in range(self.max_batch) if s not in self.place]
-        for j, (prompt, slot) in enumerate(zip(prompts, free)):
-            compat.copy_row(self.cache, slot, cache, j, prompt.length)
+        for j, (prompt, n, slot) in enumerate(zip(prompts, lengths, free)):
+            compat.copy_row(self.cache, slot, cache, j, n)
             self.valid[slot] = False
-            self.valid[slot, :prompt.length] = True
+            self.valid[slot, :n] = True
             self.place.append(slot)
-            self.slots.append(Slot(prompt.length, prompt.rope_delta))
+            self.slots.append(Slot(n, prompt.rope_delta))
         self.top = max(self.top, need)
         compat.set_length(self.cache, self.top)
 

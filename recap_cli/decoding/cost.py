@@ -479,6 +479,66 @@ def batch_width(cost: BatchCost, chances: list[list[float]], trust: float = 1.0)
     return best_w
 
 
+class OpeningCost:
+    """What a joining row's opening costs where it rides on a joint prefill (batched decoding), for sizing it.
+
+    Each node is one more token of a pass that runs anyway, plus its drafting (``host_s``); each token it gets
+    accepted is one the row need not emit in a step (``emit_s``: seconds a step spends per token it emits, over
+    all its rows). So a node pays while its path chance beats their ratio: the chooser ranks sizes by
+    E(n) - T(n) with T(n) = 1 + (n - 1) * ratio, in units of a step's token. A prefill token's cost is the
+    slope of a join's seconds over its tokens (a least-squares line through the run's joins, moving averages
+    of its moments): a small join's seconds per token is mostly the pass's fixed cost, which no node adds to.
+    Nothing is guessed: until a step and two joins of different sizes were seen ``known`` is False and a joining
+    row drafts nothing.
+    """
+
+    RATE = 0.2
+
+    def __init__(self, max_nodes: int):
+        self.max_nodes = max_nodes
+        self.emit_s: float | None = None
+        self.host_s = 0.0  # drafting seconds per node (BatchCost.host_per_node, set by the batch)
+        self._moments: list[float] | None = None  # means of tokens, seconds, tokens^2, tokens * seconds
+
+    @property
+    def token_s(self) -> float | None:
+        """Seconds one more token adds to a joint prefill, None while the joins' sizes have not varied."""
+        if self._moments is None:
+            return None
+        x, y, xx, xy = self._moments
+        var = xx - x * x
+        if var <= 1e-9 * xx:
+            return None
+        return min(max(0.0, (xy - x * y) / var), y / x)  # at most the mean seconds per token
+
+    @property
+    def known(self) -> bool:
+        return self.emit_s is not None and self.token_s is not None
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        new = [tokens, seconds, tokens * tokens, tokens * seconds]
+        if self._moments is None:
+            self._moments = new
+        else:
+            self._moments = [m + self.RATE * (v - m) for m, v in zip(self._moments, new)]
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            rate = seconds / tokens
+            self.emit_s = rate if self.emit_s is None else self.emit_s + self.RATE * (rate - self.emit_s)
+
+    def ratio(self) -> float:
+        """The path chance a node must beat to pay for itself."""
+        return (self.token_s + self.host_s) / self.emit_s
+
+    def chooser(self, paced: bool = True) -> SizeChooser:
+        ratio = self.ratio()
+        table = [0.0] + [1.0 + n * ratio for n in range(self.max_nodes)]
+        return SizeChooser(table, self.max_nodes, rate=1.0)
+
+
 class ShareTable:
     """T(n) of a row's share, n = 0..max_width, read lazily: growth stops after a few sizes, and building the
     whole table for every row of every step would cost more host time than the reads."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -124,20 +124,12 @@ class Engine:
         return self._prefilled(prompt, tree, out.logits[0], positions, None, picker)
 
     def _with_tree(self, prompt: Prompt, tree: Tree) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
-        """The prompt's ids, positions and per-token inputs followed by the tree's nodes: node i at position
-        (last prompt position + its depth), a text token."""
-        extra = len(tree) - 1
-        if not extra:
+        """The prompt's ids, positions and per-token inputs followed by the tree's nodes (``tree_prompt``); a
+        root-only tree leaves the prompt as it is, its positions to the model."""
+        if len(tree) == 1:
             return prompt.input_ids, prompt.position_ids, prompt.model_inputs
-        ids = torch.cat([prompt.input_ids, torch.tensor([tree.tokens[1:]], device=self.device)], dim=1)
-        tail = torch.tensor([tree.depths()[1:]], device=self.device) + (prompt.length - 1 + prompt.rope_delta)
-        if prompt.position_ids is None:
-            pos = torch.cat([torch.arange(prompt.length, device=self.device)[None], tail], dim=1)
-        else:  # M-RoPE: text positions are equal on every row
-            pos = torch.cat([prompt.position_ids, tail.expand(prompt.position_ids.shape[0], 1, -1)], dim=-1)
-        inputs = {k: torch.cat([v, v.new_zeros(v.shape[0], extra)], dim=1) if k in self.adapter.token_inputs else v
-                  for k, v in prompt.model_inputs.items()}
-        return ids, pos, inputs
+        whole, pos = tree_prompt(prompt, tree, self.adapter.token_inputs)
+        return whole.input_ids, pos, whole.model_inputs
 
     def _prefilled(self, prompt: Prompt, tree: Tree, logits: torch.Tensor, positions: list[int] | None,
                    prefix_rows: Rows | None, picker: Picker | None) -> tuple[Verified, Rows | None]:
@@ -228,19 +220,13 @@ class Engine:
 
     def _chain_tree_mask(self, t: int, parents: list[int]) -> torch.Tensor:
         """Additive (1, 1, t+e, P+t+e) mask of t tokens appended in order after the cache's P, then a tree's e
-        nodes under the last of them: each token sees the prefix, the tokens before it and itself; each node the
-        prefix, the whole chain and its ancestors (over a static cache the mask spans its capacity)."""
+        nodes under the last of them (``chain_tree_seen``), every one of them seeing the prefix (over a static
+        cache the mask spans its capacity)."""
         p, e = self.length, len(parents) - 1
-        low = torch.finfo(self.dtype).min
-        width = self.capacity if self.static else p + t + e
-        mask = torch.full((t + e, width), low, dtype=self.dtype, device=self.device)
-        mask[:, :p] = 0.0
-        mask[:t, p:p + t] = torch.full((t, t), low, dtype=self.dtype, device=self.device).triu(1)
-        if e:  # node i sits at row t - 1 + i, column p + t - 1 + i: the root is the chain's last token
-            mask[t:, p:p + t] = 0.0
-            rows, cols = ancestry(parents, t - 1, p + t - 1)
-            mask[rows, cols] = 0.0
-        return mask[None, None]
+        seen = torch.zeros((t + e, self.capacity if self.static else p + t + e), dtype=torch.bool, device=self.device)
+        seen[:, :p] = True
+        seen[:, p:p + t + e] = chain_tree_seen(t, parents, t + e, self.device)
+        return additive(seen, self.dtype)[None, None]
 
     @torch.inference_mode()
     def verify(self, tree: Tree, picker: Picker | None = None) -> Verified:
@@ -331,6 +317,48 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
     return next((b for b in buckets if b >= n), n)
 
 
+def tree_prompt(prompt: Prompt, tree: Tree, token_inputs: tuple[str, ...]) -> tuple[Prompt, torch.Tensor]:
+    """The prompt followed by the tree's nodes, as one prompt, and explicit positions for all its tokens: node i
+    at the prompt's last position + its depth (+ the rope delta), a text token (0 in every per-token input).
+    Positions are (1, L+e) for 1-D RoPE, (3, 1, L+e) for M-RoPE (the prompt's ``position_ids`` stay None for
+    1-D: a batch of these pads them itself)."""
+    extra, dev = len(tree) - 1, prompt.input_ids.device
+    tail = torch.tensor([tree.depths()[1:]], dtype=torch.long, device=dev) + (prompt.length - 1 + prompt.rope_delta)
+    if prompt.position_ids is None:
+        pos = torch.cat([torch.arange(prompt.length, device=dev)[None], tail], dim=1)
+    else:  # M-RoPE: text positions are equal on every row
+        pos = torch.cat([prompt.position_ids, tail.expand(prompt.position_ids.shape[0], 1, -1)], dim=-1)
+    if not extra:
+        return prompt, pos
+    ids = torch.cat([prompt.input_ids, torch.tensor([tree.tokens[1:]], dtype=prompt.input_ids.dtype, device=dev)],
+                    dim=1)
+    inputs = {k: torch.cat([v, v.new_zeros(v.shape[0], extra)], dim=1) if k in token_inputs else v
+              for k, v in prompt.model_inputs.items()}
+    mrope = pos if prompt.position_ids is not None else None
+    return replace(prompt, input_ids=ids, model_inputs=inputs, position_ids=mrope), pos
+
+
+def chain_tree_seen(chain: int, parents: list[int], width: int, device: torch.device) -> torch.Tensor:
+    """(width, width) booleans: which of a row's tokens each one sees, for ``chain`` tokens in order (each sees
+    those before it and itself), then a tree's nodes under the last of them (each sees the whole chain and its
+    own ancestors), then padding up to ``width`` (each sees only itself, and nothing real sees it)."""
+    e = len(parents) - 1
+    seen = torch.zeros((width, width), dtype=torch.bool, device=device)
+    seen[:chain, :chain] = torch.ones((chain, chain), dtype=torch.bool, device=device).tril()
+    if e:  # node i sits at row and column chain - 1 + i: the root is the chain's last token
+        seen[chain:chain + e, :chain] = True
+        rows, cols = ancestry(parents, chain - 1, chain - 1)
+        seen[rows, cols] = True
+    pad = torch.arange(chain + e, width, device=device)
+    seen[pad, pad] = True
+    return seen
+
+
+def additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask of a boolean one: 0 where a query sees a key, the dtype's lowest elsewhere."""
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, torch.finfo(dtype).min)
+
+
 def ancestry(parents: list[int], row: int = 0, column: int = 0) -> tuple[list[int], list[int]]:
     """The cells a tree's mask opens when node i sits at mask row ``row + i`` and column ``column + i``: itself
     and its ancestors (a node whose parent is -1, a static step's padding, has none)."""
@@ -353,12 +381,6 @@ def greedy_and_rows(logits: torch.Tensor, k: int) -> tuple[list[int], Rows]:
     packed = torch.cat([logits.argmax(-1, keepdim=True).float(), top.indices.float(),
                         torch.softmax(top.values.float(), -1)], dim=1).cpu()
     return packed[:, 0].long().tolist(), Rows(ids=packed[:, 1:k + 1].long(), probs=packed[:, k + 1:])
-
-
-def first_token(logits: torch.Tensor, prompt: Prompt, picker: Picker, k: int) -> int:
-    """The first new token under ``picker``'s rule: the prompt is its whole history (``logits`` at its last
-    position, shape (1, V))."""
-    return choose(logits, [Tree.root(int(prompt.input_ids[0, -1]))], [picker], k)[0][0]
 
 
 def accept(tree: Tree, argmax: list[int]) -> list[int]:
