@@ -117,8 +117,13 @@ EARLY_TOKENS = 24
 
 
 def early_prompts(adapter, arch: str) -> list:
-    """Prompts of different lengths (questions, image sizes): the joint prefill pads them."""
-    return [adapter.build(*request(arch, q, seed, (80 + 24 * (seed % 2), 60))) for seed, q in enumerate(QUESTIONS)]
+    """Prompts of different lengths (questions, image sizes): the joint prefill pads them. On Qwen the last is
+    text-only: 1-D positions beside M-RoPE rows."""
+    prompts = [adapter.build(*request(arch, q, seed, (80 + 24 * (seed % 2), 60))) for seed, q in enumerate(QUESTIONS)]
+    if arch == "qwen":
+        prompts[-1] = adapter.build(*request("text", QUESTIONS[-1]))
+        assert prompts[-1].position_ids is None and prompts[0].position_ids is not None
+    return prompts
 
 
 def decode_with_openings(batch: BatchEngine, adapter, prompts: list, refs: list[list[int]],
@@ -211,7 +216,8 @@ def test_check_catches_a_causal_mask_over_trees_at_a_joint_prefill(get_adapter, 
 
     assert emitted() == [ref[:9] for ref in refs]  # the whole right path, and the bonus after it
     real = batched.chain_tree_seen
-    monkeypatch.setattr(batched, "chain_tree_seen", lambda c, parents, *a: real(c + len(parents) - 1, [-1], *a))
+    monkeypatch.setattr(batched, "chain_tree_seen", lambda chains, parents, *a: real(
+        [c + len(p) - 1 for c, p in zip(chains, parents)], [[-1]] * len(chains), *a))
     assert emitted() != [ref[:9] for ref in refs]
 
 

@@ -165,15 +165,19 @@ class BatchEngine:
         w, dev = max(lengths), self.device
         chains = [p.length - n for p, n in zip(prompts, lengths)]
         t = max(c + len(tree) - 1 for c, tree in zip(chains, trees))
-        ids, pos, seen = [], [], torch.zeros((len(prompts), t, w + t), dtype=torch.bool, device=dev)
-        for r, (prompt, tree, n, c) in enumerate(zip(prompts, trees, lengths, chains)):
+        ids, pos = [], []
+        for prompt, tree, n, c in zip(prompts, trees, lengths, chains):
             row = prompt.input_ids[0, n:].tolist() + tree.tokens[1:]
             ids.append(row + [row[-1]] * (t - len(row)))
             depths = list(range(c)) + [c - 1 + d for d in tree.depths()[1:]]
             pos.append([n + prompt.rope_delta + d for d in depths] + [0] * (t - len(row)))
-            seen[r, :len(row), :n] = True  # the prefix; padding sees only itself
-            seen[r, :, w:] = chain_tree_seen(c, tree.parents, t, dev)
         ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(pos, device=dev)
+        seen = torch.zeros((len(prompts), t, w + t), dtype=torch.bool, device=dev)
+        sizes = torch.tensor([c + len(tree) - 1 for c, tree in zip(chains, trees)], device=dev)
+        real = torch.arange(t, device=dev)[None, :] < sizes[:, None]  # (b, t): padding sees no prefix
+        seen[:, :, :w] = (torch.arange(w, device=dev)[None, None, :] < torch.tensor(lengths, device=dev)[:, None, None]
+                          ) & real[:, :, None]
+        seen[:, :, w:] = chain_tree_seen(chains, [tree.parents for tree in trees], t, dev)
         mask = self.adapter.layer_masks(additive(seen, self.dtype)[:, None], pos_t, w)
         # Per row: its chain's rows (if asked), then the root (the chain's last) and the tree's nodes.
         needed = [list(range(0 if want_rows else c - 1, c - 1 + len(tree))) for c, tree in zip(chains, trees)]
@@ -234,11 +238,11 @@ class BatchEngine:
         inputs = self.adapter.batch_inputs([w for w, _ in whole])
         width, dev = inputs["input_ids"].shape[1], self.device
         rows = [pos[:, 0] if pos.dim() == 3 else pos for _, pos in whole]  # (3, L+e) or (1, L+e)
-        if any(pos.dim() == 3 for _, pos in whole):  # M-RoPE: a text-only row's positions are equal on all 3
+        if len({r.shape[0] for r in rows}) > 1:  # M-RoPE beside a text-only row: its positions, equal on all 3
             rows = [r.expand(3, -1) for r in rows]
-        pads = [torch.nn.functional.pad(r, (0, width - r.shape[-1])) for r in rows]
+        pads = [torch.nn.functional.pad(r, (0, width - r.shape[-1])) for r in rows]  # padding at 0
         inputs["position_ids"] = torch.stack(pads, dim=1) if rows[0].shape[0] == 3 else torch.cat(pads)
-        seen = torch.stack([chain_tree_seen(p.length, t.parents, width, dev) for p, t in zip(prompts, trees)])
+        seen = chain_tree_seen([p.length for p in prompts], [t.parents for t in trees], width, dev)
         inputs["attention_mask"] = additive(seen, self.dtype)[:, None]
         return inputs
 

@@ -225,7 +225,7 @@ class Engine:
         p, e = self.length, len(parents) - 1
         seen = torch.zeros((t + e, self.capacity if self.static else p + t + e), dtype=torch.bool, device=self.device)
         seen[:, :p] = True
-        seen[:, p:p + t + e] = chain_tree_seen(t, parents, t + e, self.device)
+        seen[:, p:p + t + e] = chain_tree_seen([t], [parents], t + e, self.device)[0]
         return additive(seen, self.dtype)[None, None]
 
     @torch.inference_mode()
@@ -338,19 +338,26 @@ def tree_prompt(prompt: Prompt, tree: Tree, token_inputs: tuple[str, ...]) -> tu
     return replace(prompt, input_ids=ids, model_inputs=inputs, position_ids=mrope), pos
 
 
-def chain_tree_seen(chain: int, parents: list[int], width: int, device: torch.device) -> torch.Tensor:
-    """(width, width) booleans: which of a row's tokens each one sees, for ``chain`` tokens in order (each sees
-    those before it and itself), then a tree's nodes under the last of them (each sees the whole chain and its
-    own ancestors), then padding up to ``width`` (each sees only itself, and nothing real sees it)."""
-    e = len(parents) - 1
-    seen = torch.zeros((width, width), dtype=torch.bool, device=device)
-    seen[:chain, :chain] = torch.ones((chain, chain), dtype=torch.bool, device=device).tril()
-    if e:  # node i sits at row and column chain - 1 + i: the root is the chain's last token
-        seen[chain:chain + e, :chain] = True
-        rows, cols = ancestry(parents, chain - 1, chain - 1)
-        seen[rows, cols] = True
-    pad = torch.arange(chain + e, width, device=device)
-    seen[pad, pad] = True
+def chain_tree_seen(chains: list[int], parents: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
+    """(B, width, width) booleans: which of row r's tokens each one sees, for ``chains[r]`` tokens in order (each
+    sees those before it and itself), then a tree's nodes under the last of them (``parents[r]``; each sees the
+    whole chain and its own ancestors), then padding up to ``width`` (each sees only itself, and nothing real sees
+    it). Built for all rows at once: a joint prefill's mask costs a few tensor operations, not a few per row."""
+    q = torch.arange(width, device=device)[:, None]
+    k = torch.arange(width, device=device)[None, :]
+    c = torch.tensor(chains, device=device)[:, None, None]
+    end = c + torch.tensor([len(p) - 1 for p in parents], device=device)[:, None, None]
+    seen = ((k <= q) & (q < c)) | ((q >= c) & (q < end) & (k < c)) | ((q >= end) & (k == q))
+    which, rows, cols = [], [], []
+    for r, (chain, tree) in enumerate(zip(chains, parents)):
+        if len(tree) > 1:  # node i sits at row and column chain - 1 + i: the root is the chain's last token
+            more_rows, more_cols = ancestry(tree, chain - 1, chain - 1)
+            which += [r] * len(more_rows)
+            rows += more_rows
+            cols += more_cols
+    if rows:
+        seen[torch.tensor(which, device=device), torch.tensor(rows, device=device),
+             torch.tensor(cols, device=device)] = True
     return seen
 
 
