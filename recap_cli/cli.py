@@ -146,7 +146,7 @@ def run(
     calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate",
                                              help="recap: learn acceptance chances online (else raw probabilities)"),
     early: Optional[bool] = typer.Option(None, "--early/--no-early", help="recap: draft the answer's first tokens "
-                                         "into the prompt's own forward pass (one request at a time)"),
+                                         "into the prompt's own forward pass"),
     compile: str = typer.Option("auto", help="static KV cache + CUDA graphs: auto (on with CUDA at batch 1), on "
                                 "(batched too) or off"),
     batch: Optional[int] = typer.Option(None, min=1, help="requests decoding together, each with its own draft "
