@@ -11,8 +11,8 @@ import pytest
 
 from recap_cli.batch import answer_all
 from recap_cli.decoding.batched import BatchEngine
-from recap_cli.decoding.cost import (PROBE_FIRST, PROBE_MOST, UNKNOWN, BatchCost, OpeningCost, Probes, StepCost, batch_width,
-                                     best_size)
+from recap_cli.decoding.cost import (PROBE_FIRST, PROBE_MOST, UNKNOWN, BatchCost, OpeningCost, Probes, StepCost,
+                                     batch_width, best_size)
 from recap_cli.decoding.engine import Engine, generate
 from recap_cli.decoding.tree import Source, Tree
 from recap_cli.drafters import Drafter

@@ -534,6 +534,8 @@ class OpeningCost:
         return (self.token_s + self.host_s) / self.emit_s
 
     def chooser(self, paced: bool = True) -> SizeChooser:
+        """Sizes ranked by E(n) - T(n), time counted in a step's tokens (so the rate is 1): ``paced`` changes
+        nothing here."""
         ratio = self.ratio()
         table = [0.0] + [1.0 + n * ratio for n in range(self.max_nodes)]
         return SizeChooser(table, self.max_nodes, rate=1.0)
