@@ -73,6 +73,24 @@ def test_a_pessimistic_start_is_corrected_by_probes():
     assert cost(in_use) == pytest.approx(cpu_like(in_use), rel=0.1)
 
 
+def test_a_first_timing_that_bears_out_its_estimate_brings_no_probe_sooner():
+    """A batched run meets untimed (rows, width) cells all along; a probe that times one at about what its
+    neighbours' shape inferred found nothing wrong, so the probes keep spacing out (each wide probe of 16 rows
+    costs 2-3 steps); one far under the inference, or where nothing was inferred, brings them back at once."""
+    cost = StepCost((1, 2, 4, 8, 16))
+    cost.observe(1, 0.010)
+    cost.observe(2, 0.012)
+    assert cost.forward_table()[4] == pytest.approx(0.012)  # inferred: one doubling from the widest timed
+    interval = cost.probes.interval
+    cost.probing = True
+    cost.observe(4, 0.0125)  # borne out
+    assert cost.probes.interval == 2 * interval
+    cost.forward_table()
+    cost.probing = True
+    cost.observe(16, 0.02)  # nothing was inferred that far: a first timing corrects
+    assert cost.probes.interval == PROBE_FIRST
+
+
 def test_an_optimistic_start_is_corrected_by_the_steps_it_causes():
     """Wide steps believed as cheap as one token while they cost 10x: the trees they invite are timed, and the
     model learns enough of their price to stop drafting them (one slow step moves an estimate by at most a

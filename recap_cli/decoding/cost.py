@@ -150,8 +150,8 @@ class StepCost:
         noise on a shared machine only ever adds time, so a step under half its estimate moves it halfway (the
         machine or the prefix changed), and a probe (``chooser`` handed one out) is believed at once where it
         is cheaper than the estimate. ``bound``: no smaller step costs more than this one took (a bigger tree
-        is never cheaper). Returns whether an estimate was corrected: a size timed for the first time, or one a
-        probe found much cheaper."""
+        is never cheaper). Returns whether an estimate was corrected: a size timed for the first time well under
+        what was inferred for it (or with nothing inferred), or one a probe found much cheaper."""
         probing, self.probing = self.probing, False
         if self.frozen:
             return False
@@ -164,7 +164,11 @@ class StepCost:
                 continue
             if not self.known[j]:
                 if weight * share >= 0.5:  # the nearer grid size takes the first timing whole
-                    self.seconds[j], self.known[j], corrected = seconds, True, True
+                    # A correction (probes come sooner again) where it is much cheaper than what was inferred
+                    # for it, or nothing was: a batched run meets untimed (rows, width) cells all along, and a
+                    # first timing that bears out its neighbours' shape finds nothing wrong.
+                    corrected |= seconds < CORRECTED * self.seconds[j]
+                    self.seconds[j], self.known[j] = seconds, True
                     first = True
                 continue
             estimate = self.seconds[j]
