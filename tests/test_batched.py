@@ -186,6 +186,7 @@ def test_trees_verified_over_reused_prefixes_equal_greedy(get_adapter, arch):
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl", "llava_onevision", "idefics3", "smolvlm", "internvl"])
 def test_every_family_takes_trees_at_a_joint_prefill(get_adapter, arch):
+    """Each family's own image inputs, padded and concatenated, with every row's tree after its prompt."""
     adapter = get_adapter(arch)
     prompts = early_prompts(adapter, arch)
     refs = greedy_refs(adapter, prompts)
