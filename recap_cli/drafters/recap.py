@@ -105,7 +105,7 @@ class RecapDrafter(Drafter):
                  mixing: str = "confidence", weights: tuple[float, ...] = CONFIDENCE_WEIGHTS, suffix: bool = True,
                  stream_depth: int = 32, stream_requests: int = 1000, budget: int | str = "auto", depth: int = 24,
                  width: int = 2, top_k: int = 8, cap: int = 1 << 16, calibrate: bool = True, paced: bool = True,
-                 early: bool = True):
+                 early: bool = True, prompt_rows: bool = True):
         if mixing not in ("confidence", "fixed"):
             raise ValueError("mixing is 'confidence' or 'fixed'")
         if budget != "auto" and not (isinstance(budget, int) and budget >= 0):
@@ -121,6 +121,9 @@ class RecapDrafter(Drafter):
         self.stops = frozenset(stops)  # a drafted stop token is a leaf: the generation ends there
         self.cap, self.paced, self.calibrate = cap, paced, calibrate
         self.drafts_at_prefill = early  # the first tree rides on the prompt's forward pass (where the engine can)
+        # The prefill's predictions at every prompt text position seed the rows (the ablation: none; they cost the
+        # output layer at every such position, on a CPU with text-heavy prompts most of recap's extra prefill).
+        self.wants_prefill_rows = prompt_rows
         self.vocab_size = vocab_size
         self.order1 = TokenTable(vocab_size)
         self.stream = StreamMemory(self.banned, stream_depth, stream_requests)  # shared by every row of a batch
