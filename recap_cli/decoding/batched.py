@@ -235,7 +235,7 @@ class BatchEngine:
         """The joint prefill's inputs with every prompt's tree after it (``tree_prompt``), right-padded, under a
         4-D mask (``chain_tree_seen``) and explicit positions (padding at 0)."""
         whole = [tree_prompt(p, t, self.adapter.token_inputs) for p, t in zip(prompts, trees)]
-        inputs = self.adapter.batch_inputs([w for w, _ in whole])
+        inputs = self.adapter.batch_inputs([w for w, _ in whole])  # ids, per-token and image inputs; positions below
         width, dev = inputs["input_ids"].shape[1], self.device
         rows = [pos[:, 0] if pos.dim() == 3 else pos for _, pos in whole]  # (3, L+e) or (1, L+e)
         if len({r.shape[0] for r in rows}) > 1:  # M-RoPE beside a text-only row: its positions, equal on all 3
@@ -481,7 +481,10 @@ class Batch:
         # Realized / guessed drafted tokens of the steps whose width the rows' last trees chose: a row's next
         # tree is not its last, and the rows whose last trees looked best are the likeliest to fall short.
         self.trust, self._guessed = 1.0, 0.0
-        self.opening = OpeningCost(engine.per_row)  # what a joining row's first tree costs and earns
+        # Joining rows' first trees ride on the joint prefill (a drafter that drafts there, an engine that can):
+        # what such a tree costs and earns.
+        self.early = drafter.drafts_at_prefill and engine.drafts_in_prefill
+        self.opening = OpeningCost(engine.per_row)
 
     def __len__(self) -> int:
         return len(self.flights)
@@ -521,7 +524,7 @@ class Batch:
                           Generation(prompt_tokens=prompt.length), pause=self.pause, picker=picker)
                    for (tag, prompt, limit, *_), picker in zip(turns, pickers)]
         start = len(self.flights)
-        early = self.drafter.drafts_at_prefill and self.engine.drafts_in_prefill
+        early = self.early
         failed: dict[int, Exception] = {}
         trees = [self._opening(i, flight, failed) if early else Tree.root(flight.context[-1])
                  for i, flight in enumerate(flights, start)]
@@ -532,8 +535,9 @@ class Batch:
         prefill_s = seconds / len(turns)  # each turn's share of the joint prefill
         self.flights += flights
         hits = self.engine.hits if len(self.engine.hits) == len(turns) else [0] * len(turns)
-        self.opening.observe_prefill(sum(p.length - hit + len(tree) - 1 for (_, p, *_), hit, tree in
-                                         zip(turns, hits, trees)), seconds)
+        if early:
+            self.opening.observe_prefill(sum(p.length - hit + len(tree) - 1 for (_, p, *_), hit, tree in
+                                             zip(turns, hits, trees)), seconds)
         ended = []
         for i, flight, tree, (verified, rows), hit in zip(range(start, len(self.flights)), flights, trees, joined,
                                                         hits):
@@ -625,8 +629,9 @@ class Batch:
                 continue
             if done:
                 ended.append(i)
-        self.opening.observe_step(sum(f.last for i, f in enumerate(self.flights) if i not in failed),
-                                  time.perf_counter() - started)
+        if self.early:
+            self.opening.observe_step(sum(f.last for i, f in enumerate(self.flights) if i not in failed),
+                                      time.perf_counter() - started)
         return out + self._leave(sorted(ended + list(failed)), failed)
 
     def _draft(self, failed: dict[int, Exception]) -> tuple[list[Tree], list[float]]:

@@ -320,8 +320,8 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
 def tree_prompt(prompt: Prompt, tree: Tree, token_inputs: tuple[str, ...]) -> tuple[Prompt, torch.Tensor]:
     """The prompt followed by the tree's nodes, as one prompt, and explicit positions for all its tokens: node i
     at the prompt's last position + its depth (+ the rope delta), a text token (0 in every per-token input).
-    Positions are (1, L+e) for 1-D RoPE, (3, 1, L+e) for M-RoPE (the prompt's ``position_ids`` stay None for
-    1-D: a batch of these pads them itself)."""
+    Positions are (1, L+e) for 1-D RoPE, (3, 1, L+e) for M-RoPE; they come back beside the prompt, whose own
+    ``position_ids`` are None (callers pass these, or pad them for a batch)."""
     extra, dev = len(tree) - 1, prompt.input_ids.device
     tail = torch.tensor([tree.depths()[1:]], dtype=torch.long, device=dev) + (prompt.length - 1 + prompt.rope_delta)
     if prompt.position_ids is None:
@@ -329,13 +329,12 @@ def tree_prompt(prompt: Prompt, tree: Tree, token_inputs: tuple[str, ...]) -> tu
     else:  # M-RoPE: text positions are equal on every row
         pos = torch.cat([prompt.position_ids, tail.expand(prompt.position_ids.shape[0], 1, -1)], dim=-1)
     if not extra:
-        return prompt, pos
+        return replace(prompt, position_ids=None), pos
     ids = torch.cat([prompt.input_ids, torch.tensor([tree.tokens[1:]], dtype=prompt.input_ids.dtype, device=dev)],
                     dim=1)
     inputs = {k: torch.cat([v, v.new_zeros(v.shape[0], extra)], dim=1) if k in token_inputs else v
               for k, v in prompt.model_inputs.items()}
-    mrope = pos if prompt.position_ids is not None else None
-    return replace(prompt, input_ids=ids, model_inputs=inputs, position_ids=mrope), pos
+    return replace(prompt, input_ids=ids, model_inputs=inputs, position_ids=None), pos
 
 
 def chain_tree_seen(chains: list[int], parents: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
