@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from recap_cli.batch import answer_with_tokens  # noqa: E402
 from recap_cli.decoding.cost import StepCost  # noqa: E402
 from recap_cli.decoding.engine import Generation  # noqa: E402
-from recap_cli.models import load  # noqa: E402
+from recap_cli.models import freeze_loaded, load  # noqa: E402
 from recap_cli.records import Request, parse_line  # noqa: E402
 from recap_cli.session import Session  # noqa: E402
 
@@ -39,6 +39,8 @@ VARIANTS = {
     "recap-fixed": ("recap", {"budget": 64, "mixing": "fixed"}),
     "recap-nosuffix": ("recap", {"budget": 64, "suffix": False}),
     "recap-raw": ("recap", {"budget": 64, "calibrate": False}),
+    "recap-norows": ("recap", {"budget": 64, "prompt_rows": False}),  # no prefill rows at prompt positions
+    "recap-16-norows": ("recap", {"budget": 16, "prompt_rows": False}),
     "recap-80": ("recap", {"budget": 80}),
     "recap-80-orders1": ("recap", {"budget": 80, "orders": (1,)}),
     "recap-auto": ("recap", {}),  # sized by this machine's measured step costs: tokens/step depends on them
@@ -87,6 +89,7 @@ def read_requests(inputs: list[Path], limit: int) -> list[Request]:
 def run(model: str, inputs: list[Path], variants: list[str], max_new_tokens: int, limit: int,
         costs: str = "measured") -> dict:
     adapter = load(model, device="cpu", dtype="fp32")
+    freeze_loaded()  # as recap run does: no full collection walks the model mid-run
     requests = read_requests(inputs, limit)
     results, reference = {}, None
     for name in variants:

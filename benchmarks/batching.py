@@ -36,7 +36,7 @@ import torch
 
 from recap_cli.batch import answer_all
 from recap_cli.compare import parse_method
-from recap_cli.models import load, locate
+from recap_cli.models import freeze_loaded, load, locate
 from recap_cli.records import read
 from recap_cli.session import Session
 
@@ -109,6 +109,7 @@ def main() -> None:
         ap.error("--fresh times a run's own start-up; --costs h200 replaces it with projected costs")
     torch.set_num_threads(torch.get_num_threads())
     adapter = load(locate(args.model, offline=True), device="cpu", dtype=args.dtype)
+    freeze_loaded()  # as recap run does: no full collection walks the model mid-run
     reqs = requests(args.inputs, args.limit)
     methods, batches = args.methods.split(","), [int(b) for b in args.batches.split(",")]
     sessions = {}

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, os.environ.get("RECAP_CODE", str(ROOT)))  # --before runs an older commit's recap_cli
 
 from recap_cli.batch import answer_with_tokens  # noqa: E402
-from recap_cli.models import load  # noqa: E402
+from recap_cli.models import freeze_loaded, load  # noqa: E402
 from recap_cli.session import Session  # noqa: E402
 
 from acceptance import read_requests  # noqa: E402
@@ -119,6 +119,7 @@ def measure(model: str, inputs: list[Path], budget: str, max_new_tokens: int, li
     """Fill the memories over the first half of the requests, record the second half's drafter calls, replay
     them ``reps`` times: median per-step milliseconds of each part."""
     adapter = load(model, device="cpu", dtype="fp32")
+    freeze_loaded()  # as recap run does: no full collection walks the model mid-run
     requests = read_requests(inputs, limit)
     knobs = {} if method == "suffix" else {"budget": budget if budget == "auto" else int(budget)}
     session = Session(adapter, method, **knobs)

@@ -26,7 +26,7 @@ import torch
 from recap_cli.adapters import Adapter
 from recap_cli.batch import answer_all
 from recap_cli.compare import parse_method
-from recap_cli.models import load, locate
+from recap_cli.models import freeze_loaded, load, locate
 from recap_cli.records import Request, read
 from recap_cli.session import Session
 
@@ -115,6 +115,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     adapter = load(locate(args.model, offline=True), device="cpu", dtype=args.dtype)
+    freeze_loaded()  # as recap run does: no full collection walks the model mid-run
     short = short_requests(args.short)
     long, long_tokens = long_request(adapter, args.long_tokens)
     streams = {"long first": [long, *short], "short only": short}

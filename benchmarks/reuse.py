@@ -41,7 +41,7 @@ import torch
 from recap_cli.batch import answer_all
 from recap_cli.compare import parse_method
 from recap_cli.decoding.batched import default_batch
-from recap_cli.models import load, locate
+from recap_cli.models import freeze_loaded, load, locate
 from recap_cli.prepare import Preparer
 from recap_cli.records import read
 from recap_cli.session import Session
@@ -84,6 +84,7 @@ def timed(session: Session, reqs: list, max_new_tokens: int, workers: int) -> di
 def throughput(args: argparse.Namespace) -> None:
     torch.set_num_threads(torch.get_num_threads())
     adapter = load(locate(args.model, offline=True), device="cpu", dtype=args.dtype)
+    freeze_loaded()  # as recap run does: no full collection walks the model mid-run
     name, knobs = parse_method(args.method)
     batches = [int(b) for b in args.batches.split(",")]
     workers = [int(w) for w in args.workers.split(",")]
@@ -158,6 +159,7 @@ def rss_child(args: argparse.Namespace) -> None:
         samples.bench_sets(Path(tmp), n=-(-args.rss_child // samples.GROUPED_PER_IMAGE), seed="rss")
         reqs = requests(Path(tmp) / SETS["grouped"])[: args.rss_child]
         adapter = load(locate(args.model, offline=True), device="cpu", dtype=args.dtype)
+        freeze_loaded()  # as recap run does: no full collection walks the model mid-run
         name, knobs = parse_method(args.method)
         batch = default_batch("cpu")
         megabytes = "auto" if args.prefix_cache == "auto" else int(args.prefix_cache)

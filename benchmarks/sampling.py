@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from recap_cli import compare  # noqa: E402
 from recap_cli.decoding import sampling  # noqa: E402
-from recap_cli.models import load, locate  # noqa: E402
+from recap_cli.models import freeze_loaded, load, locate  # noqa: E402
 from recap_cli.records import read  # noqa: E402
 
 
@@ -53,6 +53,7 @@ def main() -> None:
     args = ap.parse_args()
 
     adapter = load(locate(args.model), device="cpu", dtype=args.dtype)
+    freeze_loaded()  # as recap run does: no full collection walks the model mid-run
     requests = []
     for path in args.inputs:
         for req in read(open(path, "rb"), path.resolve().parent):

@@ -30,8 +30,8 @@ QUESTIONS = ["What colour is the square?", "Describe the picture in one sentence
              "Summarise: the quick brown fox jumps over the lazy dog and runs into the forest."]
 # Requests of very different lengths (token limits 1..40, one multi-turn) join and leave the batch as others end.
 LIMITS = [5, 40, 12, 30, 20, 1, 35, 8, 25, 40, 3]
-METHODS = [("ar", {}, None), ("recap", {}, "flat"), ("recap", {}, None), ("tr", {}, None), ("pld", {}, "flat"),
-           ("suffix", {}, None)]
+METHODS = [("ar", {}, None), ("recap", {}, "flat"), ("recap", {}, None), ("recap", {"prompt_rows": True}, "flat"),
+           ("tr", {}, None), ("pld", {}, "flat"), ("suffix", {}, None)]
 
 
 def stream(arch: str, tmp_path, n: int = len(LIMITS)) -> list[Request]:

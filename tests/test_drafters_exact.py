@@ -19,7 +19,8 @@ VARIANTS = [("recap", {}, "flat"), ("recap", {}, "measured"), ("recap", {"mixing
             ("recap", {"orders": (1,)}, "flat"), ("recap", {"suffix": False, "budget": 16, "depth": 4}, None),
             ("recap", {"top_k": 4, "budget": 64}, None), ("recap", {"calibrate": False}, "flat"),
             ("tr", {}, None), ("tr", {"budget": "auto"}, "flat"), ("pld", {}, "flat"), ("pld", {"budget": 10}, None),
-            ("recap", {"suffix": False}, "flat"), ("recap", {"prompt_rows": False, "early": False}, "flat"),
+            ("recap", {"suffix": False}, "flat"), ("recap", {"prompt_rows": True}, "flat"),
+            ("recap", {"prompt_rows": True, "early": False}, "flat"),
             ("suffix", {}, None)]
 
 

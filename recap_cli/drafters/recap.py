@@ -98,14 +98,14 @@ def _origin(found: list[tuple[int, Row]], token: int) -> Source:
 
 class RecapDrafter(Drafter):
     name = "recap"
-    wants_prefill_rows = True
+    wants_prefill_rows = False
 
     def __init__(self, vocab_size: int, banned: Iterable[int] = (), stops: Iterable[int] = (),
                  orders: Iterable[int] = (1, 2, 3),
                  mixing: str = "confidence", weights: tuple[float, ...] = CONFIDENCE_WEIGHTS, suffix: bool = True,
                  stream_depth: int = 32, stream_requests: int = 1000, budget: int | str = "auto", depth: int = 24,
                  width: int = 2, top_k: int = 8, cap: int = 1 << 16, calibrate: bool = True, paced: bool = True,
-                 early: bool = True, prompt_rows: bool = True):
+                 early: bool = True, prompt_rows: bool = False):
         if mixing not in ("confidence", "fixed"):
             raise ValueError("mixing is 'confidence' or 'fixed'")
         if budget != "auto" and not (isinstance(budget, int) and budget >= 0):
@@ -121,8 +121,11 @@ class RecapDrafter(Drafter):
         self.stops = frozenset(stops)  # a drafted stop token is a leaf: the generation ends there
         self.cap, self.paced, self.calibrate = cap, paced, calibrate
         self.drafts_at_prefill = early  # the first tree rides on the prompt's forward pass (where the engine can)
-        # The prefill's predictions at every prompt text position seed the rows (the ablation: none; they cost the
-        # output layer at every such position, on a CPU with text-heavy prompts most of recap's extra prefill).
+        # ``prompt_rows``: the prefill's predictions at every prompt text position seed the rows too. Off by
+        # default: they cost the output layer at every such position (on a CPU with text-heavy prompts, most of
+        # recap's extra prefill time) and bought no acceptance (benchmarks/acceptance.py, fixed sizes: demo
+        # 3.27 vs 3.33 tokens/step without them at 16 nodes, SmolLM2 2.03 vs 2.00): a prompt's text is in the
+        # stream memory, which continues it anyway, and its rows overwrote order-1 rows the answers had taught.
         self.wants_prefill_rows = prompt_rows
         self.vocab_size = vocab_size
         self.order1 = TokenTable(vocab_size)
