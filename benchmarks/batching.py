@@ -11,7 +11,8 @@ all alike. With ``--fresh`` every round starts new sessions instead, untimed onl
 spread), each round's wall and CPU seconds (CPU time of this process: steadier than wall time on a machine
 others share, though not free of them), mean rows in flight, tokens per step, and the share of requests whose
 tokens equal ``ar`` at batch 1 (batched matrix products may round differently from batch 1: any difference is
-listed, never hidden).
+listed, never hidden). Prompt prefixes are reused across requests as ``recap run`` reuses them (``--prefix-cache
+auto``, its default; ``--prefix-cache 0``: none, as this script ran before).
 
     python benchmarks/batching.py --model demo --fresh --rounds 3 --batches 16,1 --methods ar,recap \
         --inputs sample_inputs/bench/demo_caption.jsonl sample_inputs/bench/demo_vqa.jsonl \
@@ -90,6 +91,16 @@ def timed(session: Session, reqs: list, max_new_tokens: int) -> tuple[float, lis
     return time.perf_counter() - t0, [r for r, _ in results], [t for _, t in results], time.process_time() - c0
 
 
+def megabytes(text: str) -> str | float:
+    """``--prefix-cache``: 'auto' or a size in MB >= 0."""
+    try:
+        if text == "auto" or float(text) >= 0:
+            return text if text == "auto" else float(text)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError("'auto' or a size in MB, 0 or more")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="demo")
@@ -102,6 +113,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--costs", choices=("measured", "h200"), default="measured")
+    ap.add_argument("--prefix-cache", default="auto", type=megabytes, help="MB of prefill results kept for reuse (recap run's "
+                    "--prefix-cache; 'auto', its default, a tenth of the model's weights; 0: no reuse)")
     ap.add_argument("--fresh", action="store_true", help="new sessions every round, nothing warmed up: what a "
                     "`recap run` costs, the cost model's start-up included")
     args = ap.parse_args()
@@ -117,7 +130,7 @@ def main() -> None:
 
     def new_session(method: str, b: int) -> Session:
         name, knobs = parse_method(method)
-        return Session(adapter, name, batch=b, **knobs)
+        return Session(adapter, name, batch=b, prefix_cache=args.prefix_cache, **knobs)
 
     for method in methods:
         for b in batches:

@@ -30,8 +30,8 @@ QUESTIONS = ["What colour is the square?", "Describe the picture in one sentence
              "Summarise: the quick brown fox jumps over the lazy dog and runs into the forest."]
 # Requests of very different lengths (token limits 1..40, one multi-turn) join and leave the batch as others end.
 LIMITS = [5, 40, 12, 30, 20, 1, 35, 8, 25, 40, 3]
-METHODS = [("ar", {}, None), ("recap", {}, "flat"), ("recap", {}, None), ("recap", {"prompt_rows": True}, "flat"),
-           ("tr", {}, None), ("pld", {}, "flat"), ("suffix", {}, None)]
+METHODS = [("ar", {}, None), ("recap", {}, "flat"), ("recap", {}, None), ("tr", {}, None), ("pld", {}, "flat"),
+           ("suffix", {}, None)]
 
 
 def stream(arch: str, tmp_path, n: int = len(LIMITS)) -> list[Request]:
@@ -79,6 +79,27 @@ def test_every_method_at_every_batch_size_equals_batch_one(get_adapter, arch, tm
                     assert nodes > 3, (method, n)
                 if method == "recap" and costs == "flat":  # openings verified by the joint prefills
                     assert any(r["prefill_tokens"] > 1 for r, _ in out), n
+
+
+@pytest.mark.parametrize("arch", ["qwen", "llava", "text"])
+def test_recap_with_prompt_rows_at_a_joint_prefill_equals_batch_one(get_adapter, arch, tmp_path, monkeypatch):
+    """``recap:prompt_rows=on``: the joint prefill keeps every row's text positions beside its opening's nodes."""
+    adapter = get_adapter(arch)
+    reqs = stream(arch, tmp_path)
+    want = [tokens for _, tokens in run(Session(adapter, "ar"), reqs)]
+    seeded = []  # per call: did it bring the prompt's rows (``start`` calls it without, before the prefill)
+    real_rows = RecapDrafter.prompt_rows
+
+    def prompt_rows(self, prompt, rows):
+        seeded.append(rows is not None and len(rows.positions) > 1)
+        real_rows(self, prompt, rows)
+
+    monkeypatch.setattr(RecapDrafter, "prompt_rows", prompt_rows)
+    out = run(flat_batch_costs(Session(adapter, "recap", batch=5, prompt_rows=True)), reqs)
+    assert [tokens for _, tokens in out] == want
+    assert sum(seeded) == sum(len(r.turns) for r in reqs)  # every turn's drafter got its prompt's rows
+    assert any(r["prefill_tokens"] > 1 for r, _ in out)  # openings verified beside the prompt rows
+    assert sum(r["mean_nodes"] * r["steps"] for r, _ in out) / sum(r["steps"] for r, _ in out) > 3  # real trees
 
 
 def test_each_rows_cache_holds_its_own_accepted_rows(get_adapter):
@@ -273,7 +294,8 @@ def test_hostile_input_fails_only_its_own_record(get_adapter, tmp_path, monkeypa
 
 
 def test_a_joint_prefill_that_fails_is_retried_alone(get_adapter, tmp_path, monkeypatch):
-    """One huge input running a joint prefill out of memory must not take the requests beside it down."""
+    """One huge input running a joint prefill out of memory must not take the requests beside it down, nor leave
+    its prompt in the memory the stream shares (at batch 1 too)."""
     adapter = get_adapter("text")
     reqs = stream("text", tmp_path, 6)
     reqs[2].turns = ["a very long question " * 60]
@@ -285,10 +307,25 @@ def test_a_joint_prefill_that_fails_is_retried_alone(get_adapter, tmp_path, monk
             raise RuntimeError("out of memory\nat some allocator frame")
         return real_join(self, prompts, trees, want_rows)
 
+    def prefill_tree(self, prompt, *args, **kwargs):
+        if prompt.length > 200:
+            raise RuntimeError("out of memory\nat some allocator frame")
+        return real_prefill(self, prompt, *args, **kwargs)
+
     monkeypatch.setattr(BatchEngine, "join_trees", join)
-    out = run(Session(adapter, "ar", batch=4), reqs)
-    assert out[2][0]["error"] == "RuntimeError: out of memory"
-    assert [t for i, (_, t) in enumerate(out) if i != 2] == [t for i, (_, t) in enumerate(want) if i != 2]
+    real_prefill = Engine.prefill_tree
+    monkeypatch.setattr(Engine, "prefill_tree", prefill_tree)
+    turns = sum(len(r.turns) for i, r in enumerate(reqs) if i != 2)
+    for method, batch in (("ar", 4), ("recap", 4), ("suffix", 4), ("recap", 1)):
+        session = Session(adapter, method, batch=batch)
+        out = run(session, reqs)
+        assert out[2][0]["error"] == "RuntimeError: out of memory", method
+        assert [t for i, (_, t) in enumerate(out) if i != 2] == [t for i, (_, t) in enumerate(want) if i != 2]
+        # Every turn that ran is in the shared memory once; the turn whose prefill failed is not.
+        if method == "recap":
+            assert len(session.drafter.stream.requests) == turns
+        if method == "suffix":
+            assert len(session.drafter.cached) == turns
 
 
 def test_rows_share_persistent_memory_and_own_request_memory(get_adapter, tmp_path):

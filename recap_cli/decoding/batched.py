@@ -529,8 +529,13 @@ class Batch:
         trees = [self._opening(i, flight, failed) if early else Tree.root(flight.context[-1])
                  for i, flight in enumerate(flights, start)]
         t0 = time.perf_counter()
-        joined = self.engine.join_trees([prompt for _, prompt, *_ in turns], trees,
-                                        want_rows=self.drafter.wants_prefill_rows, **chosen)
+        try:
+            joined = self.engine.join_trees([prompt for _, prompt, *_ in turns], trees,
+                                            want_rows=self.drafter.wants_prefill_rows, **chosen)
+        except Exception:
+            for flight in flights:  # these turns never ran (``add`` retries each alone, with a new drafter)
+                flight.drafter.withdraw()
+            raise
         seconds = time.perf_counter() - t0
         prefill_s = seconds / len(turns)  # each turn's share of the joint prefill
         self.flights += flights

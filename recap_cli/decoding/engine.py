@@ -466,8 +466,13 @@ def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int, picke
         gen.draft_s = time.perf_counter() - t1
     else:
         tree = Tree.root(context[-1])
-    verified, rows = engine.prefill_tree(prompt, tree, want_rows=drafter.wants_prefill_rows, reserve=max_new_tokens,
-                                         **chosen)
+    try:
+        verified, rows = engine.prefill_tree(prompt, tree, want_rows=drafter.wants_prefill_rows,
+                                             reserve=max_new_tokens, **chosen)
+    except Exception:
+        if early:  # the request never ran: what ``start`` wrote to the shared memories goes
+            drafter.withdraw()
+        raise
     if early:
         drafter.prompt_rows(context, rows)
         drafter.observe(tree, verified)

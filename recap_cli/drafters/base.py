@@ -32,6 +32,11 @@ class Drafter:
         """The prefill's predictions, when they come after ``start`` (a drafter that drafts at prefill); the
         ``observe`` that follows is of the tree the prefill verified."""
 
+    def withdraw(self) -> None:
+        """This request's prefill failed after ``start`` (a joint prefill out of memory): take back what ``start``
+        wrote to the memories shared with other requests, so a turn that never ran leaves nothing there, and one
+        retried alone (``Batch.add``, with a drafter of its own) does not find its prompt there twice."""
+
     def propose(self, context: list[int], room: int) -> Tree:
         """A tree whose root is ``context[-1]``; ``room`` bounds useful depth (tokens left after the bonus)."""
         return Tree.root(context[-1])

@@ -179,6 +179,11 @@ class RecapDrafter(Drafter):
             self._write(prompt)
         self.prompt_rows(prompt, rows)
 
+    def withdraw(self) -> None:
+        if self.index.segs is not None:
+            self.stream.withdraw(self.index.segs)
+        self.index = Cursor()
+
     def prompt_rows(self, prompt: list[int], rows: Rows | None) -> None:
         if rows is not None:
             self._store_rows(rows.ids.tolist(), rows.probs.tolist(),

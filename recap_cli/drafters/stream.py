@@ -83,6 +83,15 @@ class StreamMemory:
                 return
             tree.append(sid, t)
 
+    def withdraw(self, segs: list[int]) -> None:
+        """A request that never ran: its text leaves the counts and the request leaves the stream. The next prompt
+        is written in full: the start it shares with the last one may be text only the withdrawn request held."""
+        for sid in segs:
+            if sid != OPEN and sid in self.tree.seqs:
+                self.tree.remove(sid)
+        self.requests = deque(r for r in self.requests if r is not segs)
+        self.last_prompt = []
+
     def finish(self, segs: list[int]) -> None:
         """The request will write no more (its segments' suffixes are let go; the text stays, counted)."""
         if segs and segs[-1] != OPEN and segs[-1] in self.tree.active:

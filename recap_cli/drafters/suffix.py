@@ -54,6 +54,12 @@ class SuffixDecodingDrafter(Drafter):
             while self.max_cached > 0 and len(self.cached) > self.max_cached:  # FIFO, never the new one
                 self.responses.remove(self.cached.popleft())
 
+    def withdraw(self) -> None:
+        if self.answer >= 0 and self.answer in self.responses.seqs:
+            self.responses.remove(self.answer)
+            self.cached.remove(self.answer)  # in place: every row shares the deque
+        self.answer = -1
+
     def _sync(self, context: list[int]) -> None:
         """Add the tokens committed since the last step to both trees (the reference's add_active_response)."""
         new = context[self.seen:]
