@@ -92,13 +92,16 @@ def timed(session: Session, reqs: list, max_new_tokens: int) -> tuple[float, lis
 
 
 def megabytes(text: str) -> str | float:
-    """``--prefix-cache``: 'auto' or a size in MB >= 0."""
+    """``--prefix-cache``: 'auto' or a size in MB, 0 or more."""
+    if text == "auto":
+        return text
     try:
-        if text == "auto" or float(text) >= 0:
-            return text if text == "auto" else float(text)
+        size = float(text)
     except ValueError:
-        pass
-    raise argparse.ArgumentTypeError("'auto' or a size in MB, 0 or more")
+        size = -1.0
+    if size < 0:
+        raise argparse.ArgumentTypeError("'auto' or a size in MB, 0 or more")
+    return size
 
 
 def main() -> None:
@@ -113,8 +116,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--costs", choices=("measured", "h200"), default="measured")
-    ap.add_argument("--prefix-cache", default="auto", type=megabytes, help="MB of prefill results kept for reuse (recap run's "
-                    "--prefix-cache; 'auto', its default, a tenth of the model's weights; 0: no reuse)")
+    ap.add_argument("--prefix-cache", default="auto", type=megabytes, help="MB of prefill results kept for "
+                    "reuse, as recap run's --prefix-cache ('auto', its default: a tenth of the weights; 0: none)")
     ap.add_argument("--fresh", action="store_true", help="new sessions every round, nothing warmed up: what a "
                     "`recap run` costs, the cost model's start-up included")
     args = ap.parse_args()
