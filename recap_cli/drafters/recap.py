@@ -98,7 +98,6 @@ def _origin(found: list[tuple[int, Row]], token: int) -> Source:
 
 class RecapDrafter(Drafter):
     name = "recap"
-    wants_prefill_rows = False
 
     def __init__(self, vocab_size: int, banned: Iterable[int] = (), stops: Iterable[int] = (),
                  orders: Iterable[int] = (1, 2, 3),

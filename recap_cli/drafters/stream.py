@@ -61,10 +61,14 @@ class StreamMemory:
         segs = [OPEN]
         self.requests.append(segs)
         while len(self.requests) > self.max_requests:
-            for sid in self.requests.popleft():
-                if sid != OPEN and sid in self.tree.seqs:
-                    self.tree.remove(sid)
+            self._forget(self.requests.popleft())
         return segs
+
+    def _forget(self, segs: list[int]) -> None:
+        """A request's occurrences leave the counts (what only it held leaves the tree)."""
+        for sid in segs:
+            if sid != OPEN and sid in self.tree.seqs:
+                self.tree.remove(sid)
 
     def write(self, segs: list[int], tokens: Iterable[int]) -> None:
         """Append a request's next tokens (an image placeholder ends its segment)."""
@@ -86,9 +90,7 @@ class StreamMemory:
     def withdraw(self, segs: list[int]) -> None:
         """A request that never ran: its text leaves the counts and the request leaves the stream. The next prompt
         is written in full: the start it shares with the last one may be text only the withdrawn request held."""
-        for sid in segs:
-            if sid != OPEN and sid in self.tree.seqs:
-                self.tree.remove(sid)
+        self._forget(segs)
         self.requests = deque(r for r in self.requests if r is not segs)
         self.last_prompt = []
 
