@@ -270,6 +270,8 @@ class InFlight:
                 if exhausted and not self.preparing and not self.asking:
                     break
                 continue
+            # Nothing left to join (no request, no turn prepared or to come): the run waits for its slowest row.
+            self.batch.draining = exhausted and not self.preparing and not self.asking and not self.more
             for seq, result in self.batch.step():
                 self._resume(seq, result)
             yield from self._ready()

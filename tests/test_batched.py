@@ -16,7 +16,7 @@ from recap_cli.decoding import batched, compat
 from recap_cli.batch import answer_all
 from recap_cli.decoding.batched import Batch, BatchEngine, Flight, length_groups
 from recap_cli.decoding.batched_static import StaticBatchEngine
-from recap_cli.decoding.cost import BatchCost, RowShare, SizeChooser, batch_width
+from recap_cli.decoding.cost import BatchCost, RowShare, SizeChooser, batch_width, draining_width
 from recap_cli.drafters import Drafter, RecapDrafter
 from recap_cli.decoding.engine import Engine, generate
 from recap_cli.prefix_cache import PrefixCache
@@ -390,6 +390,52 @@ def test_batch_width_widens_when_rows_together_pay():
     assert batch_width(cost, [[0.6]] + [[] for _ in range(7)]) == 1
     assert batch_width(cost, [[0.6, 0.5, 0.4]] * 8) == 4  # free up to the next grid width once paid for
     assert batch_width(cost, [[0.2]] * 8) == 1  # 8 x 0.2 more tokens do not pay for 1.5x
+
+
+def test_a_draining_batch_widens_only_for_its_slowest_bounding_row():
+    """Nothing will join: the run ends with its last row, so a step is worth what its least-gaining bounding row
+    gains, however much the others would."""
+    cost = flat_cost({r: [1.0, 1.5, 1.5, 1.5, 1.5] for r in (1, 2, 4, 8)})
+    chances = [[0.9, 0.9, 0.9]] * 7 + [[]]
+    assert batch_width(cost, chances) == 4  # by the sum of every row's tokens: 7 sure rows pay
+    assert draining_width(cost, chances, [True] * 8) == 1  # the row with nothing to draft ends no sooner
+    assert draining_width(cost, chances, [True] * 7 + [False]) == 4  # unless it ends sooner anyway
+    assert draining_width(cost, [[0.6]] * 8, [True] * 8) == 2  # (1 + 0.6) / 1.5 > 1 / 1
+    assert draining_width(cost, [[0.6]] * 7 + [[0.3]], [True] * 8) == 1  # (1 + 0.3) / 1.5 < 1
+
+
+def test_in_a_draining_batch_only_rows_that_bound_the_run_draft(get_adapter, tmp_path):
+    """Once the stream has nothing left to join, a row whose whole room (one token a step) fits in the steps
+    the row with the most room still needs does not draft; the rows with the most room always do. Tokens stay
+    batch 1's."""
+    adapter = get_adapter("text")
+    reqs = stream("text", tmp_path, 3)
+    for req, limit in zip(reqs, (40, 10, 16)):  # the third joins when the second ends, with less room than the first
+        req.max_new_tokens = limit
+    want = [tokens for _, tokens in run(Session(adapter, "ar"), reqs)]
+    assert [len(t[0]) for t in want] == [40, 10, 16]
+    session = flat_batch_costs(Session(adapter, "recap", batch=2))
+    seen, draft = [], Batch._draft
+
+    def spy(self, failed):
+        rooms = [self._room(f) for f in self.flights]
+        trees = draft(self, failed)
+        seen.append((self.draining, self.yields, rooms, [f.drafted for f in self.flights]))
+        return trees
+
+    Batch._draft = spy
+    try:
+        out = run(session, reqs)
+    finally:
+        Batch._draft = draft
+    assert [tokens for _, tokens in out] == want
+    draining = [(y, rooms, drafted) for d, y, rooms, drafted in seen if d]
+    assert draining and not seen[0][0]  # the stream fed the batch first, then it drained
+    assert any(not all(drafted) for _, _, drafted in draining)  # some row ended sooner anyway
+    for yields, rooms, drafted in draining:
+        for room, did in zip(rooms, drafted):
+            assert did == (room * yields >= max(rooms)), (yields, rooms, drafted)
+    assert all(all(drafted) for d, _, _, drafted in seen[1:] if not d)  # while fed, every row drafted
 
 
 def test_only_rows_cut_by_cost_rest(get_adapter):

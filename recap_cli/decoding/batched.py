@@ -28,7 +28,7 @@ from ..drafters import Drafter
 from ..options import DEFAULT_BATCH, default_batch  # noqa: F401 - re-exported (they live where --help reads them)
 from ..prefix_cache import Hit, PrefixCache, common_prefix
 from . import compat
-from .cost import UNKNOWN, BatchCost, OpeningCost, RowShare, batch_width
+from .cost import UNKNOWN, BatchCost, OpeningCost, RowShare, batch_width, draining_width
 from .engine import (Generation, accept, additive, chain_tree_seen, commit, greedy_and_rows, join_rows, text_positions,
                      tree_prompt)
 from .sampling import Picker, choose
@@ -463,6 +463,7 @@ class Flight:
 
 MAX_REST = 32  # steps a row whose trees keep being cut to the root goes without drafting, at most
 TRUST_RATE = 0.1  # how fast the batch learns what the rows' guesses are worth
+YIELD_RATE = 0.1  # how fast the batch learns the tokens a drafting row emits per step
 Outcome = tuple[Hashable, "Generation | Exception"]  # a turn that left the batch: its tag and result
 
 
@@ -485,6 +486,10 @@ class Batch:
         # what such a tree costs and earns.
         self.early = drafter.drafts_at_prefill and engine.drafts_in_prefill
         self.opening = OpeningCost(engine.per_row)
+        # Set by whoever feeds the batch: no turn will join before every row has ended, so the run lasts as long
+        # as its slowest row (``_bounding``).
+        self.draining = False
+        self.yields = 1.0  # tokens a drafting row emits per step (moving average over the batch's steps)
 
     def __len__(self) -> int:
         return len(self.flights)
@@ -637,6 +642,9 @@ class Batch:
         if self.early:
             self.opening.observe_step(sum(f.last for i, f in enumerate(self.flights) if i not in failed),
                                       time.perf_counter() - started)
+        drafting = [f.last for i, f in enumerate(self.flights) if f.drafted and i not in failed]
+        if drafting:
+            self.yields += YIELD_RATE * (sum(drafting) / len(drafting) - self.yields)
         return out + self._leave(sorted(ended + list(failed)), failed)
 
     def _draft(self, failed: dict[int, Exception]) -> tuple[list[Tree], list[float]]:
@@ -647,8 +655,10 @@ class Batch:
         A resting row (its last tree was cut to its root) drafts only in a step that is wide anyway: the width
         counts every row's last guess, resting or not, so rows that together pay for a wider step wake up
         together. A probe step (the cost model re-testing a width it believes unprofitable) sets the width
-        itself. Before the first step nothing is known about costs: no row drafts (it would be thrown away)."""
+        itself. Before the first step nothing is known about costs: no row drafts (it would be thrown away).
+        In a draining batch only the rows that bound the run draft (``_bounding``)."""
         n = len(self.flights)
+        bounding = self._bounding()
         trees: list[Tree] = [Tree.root(f.context[-1]) for f in self.flights]
         seconds = [0.0] * n
         width, self._guessed, sized = 1, 0.0, self.drafter.wants_costs
@@ -660,15 +670,17 @@ class Batch:
             elif cost.forward_table(n)[1] == UNKNOWN:  # the first step: an ``ar`` step, timed
                 sized = False
             else:
-                chances = [f.chances for f in self.flights]
-                width = batch_width(cost, chances, self.trust)
+                chances = [f.chances if bound else [] for f, bound in zip(self.flights, bounding)]
+                width = (draining_width(cost, chances, bounding, self.trust) if self.draining else
+                         batch_width(cost, chances, self.trust))
                 self._guessed = sum(sum(c[:width - 1]) for c in chances)
         expected, nodes = 0.0, 0
         for rank, i in enumerate(sorted(range(n), key=lambda j: -self.flights[j].last)):
             flight = self.flights[i]
             t0 = time.perf_counter()
             share = None
-            flight.drafted = not (flight.drafter.wants_costs and (not sized or flight.resting and width == 1))
+            flight.drafted = not (flight.drafter.wants_costs and
+                                  (not sized or not bounding[i] or flight.resting and width == 1))
             try:
                 if not flight.drafted:
                     flight.resting -= flight.resting > 0
@@ -689,6 +701,21 @@ class Batch:
             expected += share.chosen_expected() if share is not None else 1.0
             nodes += len(trees[i])
         return trees, seconds
+
+    def _bounding(self) -> list[bool]:
+        """Which rows may bound a draining batch's run: it ends when its last row does, so a token drafted for a
+        row that ends sooner anyway shortens nothing (it only lets that row leave a step earlier: one row's share
+        of a step, where a wider step costs every row). The row with the most tokens left to its limit needs
+        about ``room / yields`` more steps while it drafts; a row whose whole room, one token a step, fits in
+        that does not draft. Re-decided every step: a bounding row that ends early (its answer's end) hands the
+        bound on, and the rows with the most room are always among those that may, so nothing locks drafting out
+        (a probe still re-tests widths the costs ruled out). Rows ending by their answer's end rather than their
+        limit make room an upper bound: they may rest a step or two more than they needed to."""
+        if not self.draining:
+            return [True] * len(self.flights)
+        rooms = [self._room(f) for f in self.flights]
+        most = max(rooms, default=0)
+        return [room * self.yields >= most for room in rooms]
 
     @staticmethod
     def _room(flight: Flight) -> int:

@@ -483,6 +483,24 @@ def batch_width(cost: BatchCost, chances: list[list[float]], trust: float = 1.0)
     return best_w
 
 
+def draining_width(cost: BatchCost, chances: list[list[float]], bounding: list[bool], trust: float = 1.0) -> int:
+    """``batch_width`` for a batch whose run lasts as long as its slowest row (nothing will join it): the step's
+    worth is how far it moves the run's end, the tokens of the bounding row that gains least (1 + its first
+    w - 1 chances, scaled by ``trust``; rows that do not bound the run count for nothing), per second of the
+    whole batch's step. Where many rows bound the run (prompts that all run to their limit) a node pays only if
+    every one of them gains: a wider step seldom does."""
+    rows, forward, h = len(chances), cost.forward_table(len(chances)), cost.host_per_node
+    bound = [c for c, b in zip(chances, bounding) if b]
+    best_w, best_rate = 1, 1.0 / (forward[1] + h * rows)
+    longest = min(min((len(c) for c in bound), default=0) + 1, cost.max_width)
+    for w in range(2, longest + 1):
+        slowest = 1.0 + trust * min(sum(c[:w - 1]) for c in bound)
+        rate = slowest / (forward[w] + h * (rows + len(bound) * (w - 1)))
+        if rate > best_rate:
+            best_w, best_rate = w, rate
+    return best_w
+
+
 class OpeningCost:
     """What a joining row's opening costs where it rides on a joint prefill (batched decoding), for sizing it.
 
