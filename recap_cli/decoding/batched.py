@@ -12,7 +12,8 @@ Joining requests are prefilled together (one right-padded forward pass, into a c
 are then appended); a finished one leaves. Drafting stays per row (``Drafter.fork``: per-request memories of
 its own, the persistent tables shared), and the step-cost model, learned by rows x width from the steps
 themselves (and probe steps, recap_cli/decoding/cost.py), sizes every row's tree for the whole step
-(``batch_width``, ``RowShare``).
+(``batch_width``, ``RowShare``), and for the run's end once nothing will join (``Batch._bounding``,
+``draining_width``).
 """
 
 from __future__ import annotations
