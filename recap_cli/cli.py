@@ -320,6 +320,8 @@ def compare(
     keep_memory: bool = typer.Option(False, help="keep drafter memory across datasets (default: clear it)"),
     batch: int = typer.Option(1, min=1, help="requests decoding together for every method (recap run --batch); "
                               "speedups then also show throughput over wall time (wall×)"),
+    repeats: int = typer.Option(1, min=1, help="runs of each input per method, each from the same memories, the "
+                                "fastest kept (batch 1): steadier per-input speedups (p10) on a busy machine"),
     report_dir: Optional[Path] = typer.Option(None, "--report", help="write report.md and speedups.png here"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the summary and every measurement here"),
     device: str = typer.Option("auto"),
@@ -348,6 +350,9 @@ def compare(
     from . import compare as comparison
     from .decoding import sampling
 
+    if repeats > 1 and batch > 1:
+        fail("--repeats times one request at a time; a batch is timed by its wall time over the whole dataset "
+             "(use --batch 1, or run the comparison again)")
     labels = list(dict.fromkeys([baseline] + [m.strip() for m in methods.split(",") if m.strip()]))
     try:
         for label in labels:
@@ -378,10 +383,12 @@ def compare(
                 _write(sys.stdout.buffer, row)
             progress.advance(task)
 
-        rows = comparison.run(sessions, requests, baseline, model, max_new_tokens, warmup, keep_memory, emit)
+        rows = comparison.run(sessions, requests, baseline, model, max_new_tokens, warmup, keep_memory, emit,
+                              repeats)
     summary = comparison.summarize(rows, baseline)
     report.table(summary, baseline, err)
-    header = (f"model `{model}`, {len(requests)} inputs, batch {batch}, max {max_new_tokens} new tokens, "
+    timed = f", fastest of {repeats} runs per input" if repeats > 1 else ""
+    header = (f"model `{model}`, {len(requests)} inputs, batch {batch}{timed}, max {max_new_tokens} new tokens, "
               f"device {adapter.device}, dtype {str(adapter.model.dtype).removeprefix('torch.')}, "
               f"{sampling.sentence(settings)}")
     if json_out is not None:

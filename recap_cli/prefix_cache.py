@@ -90,6 +90,14 @@ class PrefixCache:
         self.entries.clear()
         self.used = 0
 
+    def mark(self) -> dict:
+        """What ``rewind`` returns to: the entries (whose keys and values are never changed in place, so they are
+        shared, not copied), their order and the counters."""
+        return vars(self) | {"entries": OrderedDict(self.entries)}
+
+    def rewind(self, mark: dict) -> None:
+        vars(self).update(mark | {"entries": OrderedDict(mark["entries"])})
+
     def lookup(self, ids: torch.Tensor, images: tuple[str, ...], image_end: int) -> Hit | None:
         """The longest usable prefix of ``ids`` (1-D) held for these images. ``image_end`` is the index after
         the prompt's last image token (0 without images): a hit must reach it, or no image token would be

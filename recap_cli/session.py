@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import glob
 import logging
 import os
@@ -124,6 +125,20 @@ class Session:
     def clear_prefixes(self) -> None:
         if self.prefixes is not None:
             self.prefixes.clear()
+
+    def mark(self) -> tuple:
+        """What each repeated run of the next request starts from (``recap compare --repeats``): the drafter's
+        memories and the prefix cache as they are now, so a repeat cannot draft from, or reuse, its own earlier
+        run. The last turn's cache, held for reuse in place, is let go: the first run overwrites it."""
+        self.engine.held = None
+        return copy.deepcopy(self.drafter), self.prefixes.mark() if self.prefixes is not None else None
+
+    def rewind(self, mark: tuple) -> None:
+        drafter, prefixes = mark
+        self.drafter = copy.deepcopy(drafter)  # the mark stays as it was, for the next repeat
+        self.engine.held = None
+        if prefixes is not None:
+            self.prefixes.rewind(prefixes)
 
     def save_memory(self, path: Path) -> bool:
         """Write everything that makes a later run warm (the drafter's ``state()``), atomically: a fixed temp
@@ -282,6 +297,12 @@ class GenerateSession:
 
     def reset_memory(self) -> None:
         """generate() keeps nothing between requests."""
+
+    def mark(self) -> None:
+        """Nothing to return to (see ``Session.mark``)."""
+
+    def rewind(self, mark: None) -> None:
+        pass
 
     def save_memory(self, path: Path) -> bool:
         return False

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from recap_cli import cli
 from recap_cli import compare as comparison
+from recap_cli.batch import answer_with_tokens
 from recap_cli.compare import Measurement, failures, parse_method, quantile, run, summarize
 from recap_cli.decoding.engine import Generation
 from recap_cli.records import Request
@@ -121,6 +122,81 @@ def test_run_rotates_order_checks_tokens_and_resets_memory_per_dataset():
     kept = {"ar": FakeSession("ar", [], 2.0)}
     run(kept, reqs, "ar", "fake", 8, warmup=0, keep_memory=True)
     assert kept["ar"].resets == 1
+
+
+class RepeatedSession(FakeSession):
+    """Each run takes the next of ``clock``'s seconds; ``mark``/``rewind`` are logged (the memories they keep)."""
+
+    def __init__(self, method, log, clock, wrong_on_run=None):
+        super().__init__(method, log, 0.0)
+        self.clock, self.runs, self.wrong_on_run, self.marks = iter(clock), 0, wrong_on_run, []
+
+    def decode(self, q, max_new_tokens, picker=None):
+        self.seconds, self.runs = next(self.clock), self.runs + 1
+        gen = super().decode(q, max_new_tokens, picker)
+        if self.runs == self.wrong_on_run:
+            gen.tokens = [1, 2, 9, 4]
+        return gen
+
+    def mark(self):
+        self.marks.append(("mark", self.runs))
+        return self.runs
+
+    def rewind(self, mark):
+        self.marks.append(("rewind", mark))
+
+
+def test_repeats_keep_each_methods_fastest_run_from_the_same_memories_and_report_a_repeat_that_differs():
+    log = []
+    sessions = {"ar": RepeatedSession("ar", log, [3.0, 1.0, 2.0, 4.0, 4.0, 5.0]),
+                "fast": RepeatedSession("fast", log, [2.0, 0.5, 0.25, 1.0, 1.0, 1.0], wrong_on_run=5)}
+    rows = run(sessions, requests(("A", "q0"), ("A", "q1")), "ar", "fake", 8, warmup=0, repeats=3)
+    assert [meth for meth, _ in log] == ["ar", "fast"] * 3 + ["fast", "ar"] * 3  # methods take turns
+    # Every run of an input starts from the mark taken before its first run.
+    assert sessions["ar"].marks == [("mark", 0), ("rewind", 0), ("rewind", 0), ("mark", 3), ("rewind", 3),
+                                    ("rewind", 3)]
+    seconds = {(r.input, r.method): r.seconds for r in rows}
+    assert seconds == {(0, "ar"): 1.0, (0, "fast"): 0.25, (1, "ar"): 4.0, (1, "fast"): 1.0}
+    assert [(r.input, r.match) for r in rows if r.method == "fast"] == [(0, True), (1, False)]
+    with pytest.raises(ValueError, match="batch"):
+        batched = {"ar": FakeSession("ar", [], 1.0)}
+        batched["ar"].batch = 4
+        run(batched, requests(("A", "q0")), "ar", "fake", 8, repeats=2)
+
+
+def _state_bytes(session) -> bytes:
+    return orjson.dumps(session.drafter.state(), option=orjson.OPT_SERIALIZE_NUMPY, default=lambda t: t.tolist())
+
+
+def test_a_rewound_session_runs_a_request_again_as_it_ran_the_first_time(get_adapter):
+    """A repeat that saw its own earlier run (its answer in the stream memory, its whole prompt in the prefix
+    cache) would draft and prefill differently, and leave other memories. (A fixed budget: at ``auto`` the trees,
+    and so the rows they leave, follow the step timings.)"""
+    session = comparison.make_session(get_adapter("text"), "recap:budget=16", prefix_cache=64)
+    story = "the cat sat on the mat and looked at the dog " * 3
+    first, second = requests(("A", story), ("A", story + "what did the cat do next?"))
+    answer_with_tokens(session, first, "fake", 12)
+    mark = session.mark()
+    runs = []
+    for _ in range(2):
+        record, tokens = answer_with_tokens(session, second, "fake", 12)
+        runs.append((tokens, record["prefix_hit"], record["steps"], _state_bytes(session), len(session.prefixes)))
+        session.rewind(mark)
+    assert runs[0] == runs[1]
+    assert 0 < runs[0][1] < record["prompt_tokens"] - 8  # the story came from the first request, both times
+
+
+def test_repeated_comparisons_leave_the_memories_one_run_leaves(get_adapter):
+    """``run`` with repeats: every repeat gives ar's tokens, and the drafter ends as after one run of each."""
+    states = []
+    adapter = get_adapter("text")
+    reqs = requests(("A", "the cat sat on"), ("A", "the cat sat on the mat and"), ("A", "a dog ran"))
+    for repeats in (1, 3):
+        sessions = {label: comparison.make_session(adapter, label) for label in ("ar", "recap:budget=16")}
+        rows = run(sessions, reqs, "ar", "fake", 12, warmup=0, repeats=repeats)
+        assert len(rows) == 6 and all(r.match for r in rows if r.method != "ar")
+        states.append(_state_bytes(sessions["recap:budget=16"]))
+    assert states[0] == states[1]
 
 
 def test_compare_cli_on_a_tiny_model_writes_every_report(model_dirs, tmp_path):
