@@ -155,3 +155,17 @@ def test_no_module_imports_itself_back():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+
+
+def test_mkl_runs_in_its_reproducible_mode_on_amd_cpus_unless_the_user_chose_one(tmp_path):
+    """recap_cli sets MKL_CBWR before any model runs on an AMD CPU (tree steps of a few tokens cost about a
+    one-token step's time in that mode, twice it in MKL's default); a user's own choice stands."""
+    import recap_cli
+
+    code = "import os, recap_cli; print(os.environ.get('MKL_CBWR', 'unset'))"
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    run = lambda extra: subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": str(ROOT), **extra},
+                                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run({}).stdout.strip() == ("AUTO" if recap_cli.on_amd_cpu() else "unset")
+    assert run({"MKL_CBWR": "COMPATIBLE"}).stdout.strip() == "COMPATIBLE"
+    assert run({"MKL_CBWR": ""}).stdout.strip() == ""

@@ -1,0 +1,98 @@
+"""What a verification step costs by tree size, and a prefill by prompt length, with MKL in its default mode and
+in the conditional-reproducibility mode recap_cli sets (``MKL_CBWR=AUTO``, recap_cli/__init__.py).
+
+    python benchmarks/step_costs.py --model ~/.cache/recap/smollm2-135m-instruct [--json runs/step_costs.json]
+
+Each mode runs in its own process (MKL reads the variable once, at its first call), alternating ``--rounds``
+times; the table gives each size's median over rounds of the per-round median of ``--reps`` steps, and each
+size against a one-token step of the same mode. What matters to drafting is that ratio: a tree of n nodes pays
+when its expected extra tokens beat it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = {"MKL default": "", "MKL_CBWR=AUTO (recap)": "AUTO"}  # an empty value leaves MKL in its default mode
+PROMPT = "the cat sat on the mat and looked at the dog "
+
+
+def measure(model: str, sizes: list[int], lengths: list[int], reps: int) -> dict:
+    """Median seconds of a chain-tree step per size (after a prompt of ~75 tokens) and of a prefill per length."""
+    sys.path.insert(0, str(ROOT))
+    from recap_cli.decoding.engine import Engine
+    from recap_cli.decoding.tree import Tree
+    from recap_cli.models import freeze_loaded, load
+
+    adapter = load(model, device="cpu", dtype="fp32")
+    freeze_loaded()
+    engine = Engine(adapter, top_k=8)
+
+    def timed(run) -> float:
+        seconds = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run()
+            seconds.append(time.perf_counter() - t0)
+        return statistics.median(seconds)
+
+    prompt = adapter.build([{"role": "user", "content": PROMPT * 6}], [])
+    engine.prefill(prompt, reserve=max(sizes) * (reps + 1))
+    steps = {n: timed(lambda: engine.verify(Tree([5] * n, [-1] + list(range(n - 1))))) for n in sizes}
+    prefills = {}
+    for words in lengths:
+        long = adapter.build([{"role": "user", "content": PROMPT * max(1, words // 10)}], [])
+        prefills[long.length] = timed(lambda: engine.prefill(long, reserve=8))
+    return {"steps": steps, "prefills": prefills}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--sizes", default="1,2,3,4,6,8,12,16,32,64")
+    ap.add_argument("--prefill-words", default="40,400,1500", help="prompt lengths to prefill, in words")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    lengths = [int(s) for s in args.prefill_words.split(",")]
+    if args.inner:
+        print(orjson.dumps(measure(args.model, sizes, lengths, args.reps), option=orjson.OPT_NON_STR_KEYS).decode())
+        return
+    argv = [sys.executable, __file__, "--inner", "--model", args.model, "--sizes", args.sizes,
+            "--prefill-words", args.prefill_words, "--reps", str(args.reps)]
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    for _ in range(args.rounds):
+        for mode, value in MODES.items():
+            out = subprocess.run(argv, env={**os.environ, "MKL_CBWR": value}, check=True, capture_output=True)
+            runs[mode].append(orjson.loads(out.stdout.splitlines()[-1]))
+    results = {}
+    print(f"model {args.model}, {os.cpu_count()} CPUs, fp32; ms (x a one-token step), median of {args.rounds} rounds")
+    print("| mode | " + " | ".join(f"{n} nodes" for n in sizes) + " | prefills |")
+    print("| --- |" + " ---: |" * (len(sizes) + 1))
+    for mode, got in runs.items():
+        steps = {n: statistics.median(r["steps"][str(n)] for r in got) for n in sizes}
+        prefills = {k: statistics.median(r["prefills"][k] for r in got) for k in got[0]["prefills"]}
+        results[mode] = {"steps_s": steps, "prefills_s": prefills}
+        cells = " | ".join(f"{1000 * s:.1f} ({s / steps[sizes[0]]:.2f})" for s in steps.values())
+        pre = ", ".join(f"{k} tokens {1000 * s:.0f}" for k, s in prefills.items())
+        print(f"| {mode} | {cells} | {pre} |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_bytes(orjson.dumps({"model": args.model, "rounds": args.rounds, "results": results},
+                                           option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+
+
+if __name__ == "__main__":
+    main()
