@@ -11,7 +11,8 @@ after from one run of the script.
 
 Runs ``recap`` over the demo bench sets once to fill its memories, recording every drafter call of the second
 half; then replays those calls (same trees, the memories as they were) ``--reps`` times and reports the median
-per-step time of each part. Replaying the recorded calls times the host's work alone: the model runs once, so
+per-step time of each part, and per request the time of ``start`` (the prompt written into the memories: host
+work at the prefill, not at a step). Replaying the recorded calls times the host's work alone: the model runs once, so
 the figures do not depend on how busy the machine's cores are with the forward passes. Everything the host does
 between two forwards counts against the step (the design budget: at most 0.4 ms at 64 nodes).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import statistics
 import subprocess
@@ -95,10 +97,14 @@ class Recorder:
 
 def replay(drafter, calls, engine) -> dict[str, list[float]]:
     """Per-step seconds of propose, observe and input building, replaying ``calls`` on ``drafter``."""
-    out = {"propose": [], "observe": [], "inputs": [], "nodes": []}
+    out = {"propose": [], "observe": [], "inputs": [], "nodes": [], "start": []}
     for kind, args in calls:
-        if kind in ("start", "prompt_rows"):
-            getattr(drafter, kind)(*args)
+        if kind == "start":  # a request's set-up: its prompt written to the stream memory (at its prefill)
+            t0 = time.perf_counter()
+            drafter.start(*args)
+            out["start"].append(time.perf_counter() - t0)
+        elif kind == "prompt_rows":
+            drafter.prompt_rows(*args)
         elif kind == "propose":
             t0 = time.perf_counter()
             tree = drafter.propose(*args)
@@ -137,6 +143,8 @@ def measure(model: str, inputs: list[Path], budget: str, max_new_tokens: int, li
     steps = len(per_rep[0]["propose"])
     ms = {part: 1000 * statistics.median(sum(r[part]) / steps for r in per_rep)
           for part in ("propose", "observe", "inputs")}
+    starts = len(per_rep[0]["start"])
+    ms["start_per_request"] = 1000 * statistics.median(sum(r["start"]) / starts for r in per_rep)
     return {"method": method, "budget": budget, "steps": steps, "nodes_per_step": statistics.mean(per_rep[0]["nodes"]),
             "ms_per_step": ms, "drafting_ms": ms["propose"] + ms["observe"], "threads": torch.get_num_threads(),
             "costs": costs}
@@ -189,7 +197,8 @@ def main() -> None:
                 method = "recap" if side == "before" else args.method
                 runs[side].append(in_process(code, common + ["--budget", budget, "--method", method]))
         for side, got in runs.items():
-            ms = {p: statistics.median(r["ms_per_step"][p] for r in got) for p in ("propose", "observe", "inputs")}
+            ms = {p: statistics.median(r["ms_per_step"].get(p, math.nan) for r in got)
+                  for p in ("propose", "observe", "inputs", "start_per_request")}
             row = {"side": side, "ref": args.before if side == "before" else "this tree", "budget": budget,
                    "costs": args.costs,
                    "method": got[0]["method"], "steps": got[0]["steps"], "nodes_per_step": got[0]["nodes_per_step"],
@@ -197,7 +206,8 @@ def main() -> None:
             results.append(row)
             print(f"{side:6s} {row['method']:6s} budget {budget:4s}: {row['steps']} steps, {row['nodes_per_step']:.1f} "
                   f"nodes/step; propose {ms['propose']:.3f} + observe {ms['observe']:.3f} = drafting "
-                  f"{row['drafting_ms']:.3f} ms/step; inputs (ids, positions, mask) {ms['inputs']:.3f} ms", flush=True)
+                  f"{row['drafting_ms']:.3f} ms/step; inputs (ids, positions, mask) {ms['inputs']:.3f} ms; "
+                  f"start (the prompt into the memories) {ms['start_per_request']:.3f} ms/request", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_bytes(orjson.dumps({"model": args.model, "results": results}, option=orjson.OPT_INDENT_2))

@@ -419,3 +419,61 @@ def test_a_failed_opening_leaves_the_requests_trust_alone():
     assert later.tokens[:2] == [4, 5]
     d.observe(later, verified(later, rows_of(*[{}] * len(later))))
     assert d.trust.factor < 1.0
+
+
+def _answered_once() -> RecapDrafter:
+    """A drafter whose stream memory holds one answer, 4 5 6 7, to the prompt 1 2 3: the next request with that
+    prompt drafts its opening from it."""
+    d = RecapDrafter(V, budget="auto")
+    d.cost = costs()
+    d.start([1, 2, 3], None)
+    d.propose([1, 2, 3, 4, 5, 6, 7], room=10)
+    return d
+
+
+def test_an_opening_never_takes_the_step_costs_probe():
+    """A probe lets a step's tree grow as if nodes were free, to time a size the costs rule out. An opening is
+    verified by its prompt's prefill, which no step cost times: taking the probe would grow a big opening for
+    nothing and leave the probe to the next step anyway. So the opening is sized by the costs, and the probe
+    waits for the first step."""
+    d = _answered_once()
+    steep = {1: 1.0, 2: 3.0, 4: 5.0, 8: 9.0, 16: 17.0, 32: 33.0, 64: 65.0}  # a node costs 2x a step's token
+    d.cost = costs(steep)
+    for _ in range(4):  # the probe countdown runs out: the next chooser hands out a probe of size 2
+        d.cost.observe(1, 1.0)
+    assert d.cost.probe() == 2
+    d.start([1, 2, 3], None)
+    opening = d.propose([1, 2, 3], room=10)
+    assert len(opening) == 1 and not d.cost.probing and d.cost.probe() == 2
+    d.observe(opening, verified(opening, rows_of({4: 1.0})))
+    step = d.propose([1, 2, 3, 4], room=10)  # the answer's first step: the probe grows its tree to 2
+    assert len(step) == 2 and step.tokens[1] == 5 and d.cost.probing
+
+
+def test_openings_that_keep_failing_shrink_and_their_trust_is_kept():
+    """The stream's openings keep a trust of their own: an opening that fails lowers it (the request's own trust
+    stays), an opening under a low trust is sized smaller from the same memories, forks share it, and the memory
+    file carries it over."""
+    d = _answered_once()
+    d.cost = costs({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7, 16: 2.5, 32: 4.1, 64: 7.3})  # a node costs a tenth of a step
+    d.start([1, 2, 3], None)
+    saved = d.state()
+    opening = d.propose([1, 2, 3], room=10)
+    promised = sum(d.chances) - 1.0
+    assert len(opening) > 3 and promised > 2 and d.opening_trust.factor == 1.0
+    d.observe(opening, verified(opening, rows_of(*[{}] * len(opening))))  # rejected at its first token
+    assert (d.opening_trust.expected, d.opening_trust.emitted) == (promised, 0.0) and d.trust.factor == 1.0
+    assert d.fork().opening_trust is d.opening_trust
+    again = RecapDrafter(V, budget="auto")
+    again.load_state(d.state())
+    assert again.opening_trust.factor == d.opening_trust.factor < 1.0
+    # The same memories as before that opening, under a trust that more such failures would leave (below the
+    # floor a request's own trust stops at):
+    d.load_state(saved)
+    d.start([1, 2, 3], None)
+    d.opening_trust.observe(8 * promised, 0)
+    assert d.opening_trust.factor < 0.25
+    assert len(d.propose([1, 2, 3], room=10)) < len(opening)
+    with pytest.raises(ValueError, match="openings' trust"):
+        again.load_state({**saved, "opening_trust": {"expected": torch.tensor(-1.0, dtype=torch.float64),
+                                                     "emitted": torch.tensor(0.0, dtype=torch.float64)}})

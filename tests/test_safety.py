@@ -330,8 +330,9 @@ def test_the_drafter_state_survives_a_save_and_load(get_adapter, method, tmp_pat
     saved, loaded = session.drafter.state(), fresh.drafter.state()
     flat = lambda s: {(k, j): v for k, d in s.items() if d is not None for j, v in d.items()}  # noqa: E731
     # recap: order-1 ids/probs, the stream's and the rows' learned chances and the placed calibration's hits/tries,
-    # the stream memory's tokens, lengths, segments and last prompt; tr: its table; pld: its chain chances
-    assert flat(saved).keys() == flat(loaded).keys() and len(flat(saved)) == {"recap": 12, "tr": 2, "pld": 2}[method]
+    # the stream memory's tokens, lengths, segments and last prompt, the openings' trust (expected, emitted); tr:
+    # its table; pld: its chain chances
+    assert flat(saved).keys() == flat(loaded).keys() and len(flat(saved)) == {"recap": 14, "tr": 2, "pld": 2}[method]
     assert all(torch.equal(flat(saved)[k], flat(loaded)[k]) for k in flat(saved))
     if method != "pld":
         assert (session.drafter.order1 if method == "recap" else session.drafter.table).filled() > 5

@@ -113,11 +113,13 @@ class StepCost:
     def frozen(self) -> bool:
         return self.alpha == 0
 
-    def chooser(self, paced: bool = True) -> "SizeChooser":
+    def chooser(self, paced: bool = True, probe: bool = True) -> "SizeChooser":
         """A fresh stop rule for one tree's best-first growth (one request per step: batch 1). When a probe is
         due, the tree may grow up to the probe's size as if its nodes cost nothing. ``paced``: sized against
-        the run's own rate (``Pace``) once it is known, else by the step's own tokens per second."""
-        rung = self.probe()
+        the run's own rate (``Pace``) once it is known, else by the step's own tokens per second. ``probe``
+        False: a tree no step will time (an answer's opening, verified by its prompt's prefill) never takes
+        the probe: it would grow as if its nodes were free and leave the probe to the next step anyway."""
+        rung = self.probe() if probe else None
         if rung is not None:
             self.probing = True
             first = self.table()[1]
@@ -434,9 +436,10 @@ class RowShare:
         floor = forward[width] if forward[width] < UNKNOWN else forward[1]  # a probe's width may be untimed
         return ShareTable(forward, width, floor, self.cost.host_per_node, self.other_nodes)
 
-    def chooser(self, paced: bool = True) -> SizeChooser:
+    def chooser(self, paced: bool = True, probe: bool = True) -> SizeChooser:
         """Sized by the step's own rate: with every other row's tokens in ``base`` that is already about the
-        run's rate (``Pace``), so ``paced`` changes nothing here."""
+        run's rate (``Pace``), so ``paced`` changes nothing here; nor does ``probe`` (the batch sets a probe's
+        width for every row)."""
         self._chooser = SizeChooser(self.table(), self.max_tokens, base=self.base)
         return self._chooser
 
@@ -555,9 +558,9 @@ class OpeningCost:
         """The path chance a node must beat to pay for itself."""
         return (self.token_s + self.host_s) / self.emit_s
 
-    def chooser(self, paced: bool = True) -> SizeChooser:
-        """Sizes ranked by E(n) - T(n), time counted in a step's tokens (so the rate is 1): ``paced`` changes
-        nothing here."""
+    def chooser(self, paced: bool = True, probe: bool = True) -> SizeChooser:
+        """Sizes ranked by E(n) - T(n), time counted in a step's tokens (so the rate is 1): ``paced`` and ``probe``
+        change nothing here."""
         ratio = self.ratio()
         table = [0.0] + [1.0 + n * ratio for n in range(self.max_nodes)]
         return SizeChooser(table, self.max_nodes, rate=1.0)

@@ -39,7 +39,10 @@ An answer's first tree, its *opening*, is drafted before its prompt runs (``earl
 already hold (how earlier answers went on from the same prompt ending), and verified in the prompt's own forward
 pass (decoding/engine.py ``prefill_tree``): the first tokens it gets right cost no step. Openings continue
 differently from a passage inside an answer, so their nodes are mapped in a placed-calibration lane of their own
-and graded in no evidence class, and they say nothing about the request's own text: no ``Trust``.
+and graded in no evidence class, and they say nothing about the request's own text: not the request's ``Trust``
+but the stream's openings' own (``opening_trust``). Where prompts share little but their chat template, a match
+of the prompt's end is the template and the answers it continues are other questions': openings that keep failing
+shrink to what still pays. An opening is never a probe of the step costs (no step times it).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 from operator import itemgetter
+
+import torch
 
 from ..decoding.tree import Rows, Source, Tree, Verified
 from .base import Drafter
@@ -89,6 +94,7 @@ OPENING_LANE = 2
 Candidate = tuple[float, int, int, int, float]
 # Match length -> bucket (calibration.match_bucket), read once per expanded node.
 MATCH_BUCKETS = tuple(match_bucket(m) for m in range(64))
+OPENING_LOW = 0.05
 
 
 def _origin(found: list[tuple[int, Row]], token: int) -> Source:
@@ -135,6 +141,7 @@ class RecapDrafter(Drafter):
         self.stream_chances = CellChances(STREAM_CELLS, weight=0.75)
         self.row_chances = CellChances(ROW_CELLS, weight=1.0)  # of the guess p * p
         self.placed = PlacedCalibration(lanes=3)  # the stream, the rows, openings
+        self.opening_trust = Trust(low=OPENING_LOW)  # how the stream's openings have kept their promises
         # The coefficients a tree reads, fetched by ``propose`` (None: the raw guesses, as uncalibrated).
         self._row_ab = self._stream_ab = (None, None)
         self._mapped = None
@@ -203,8 +210,8 @@ class RecapDrafter(Drafter):
         # A request's trust is how its own text keeps its trees' promises. Its opening was drafted before any of
         # that text existed (from how other answers went on from the same prompt ending): a failed one says
         # nothing about it, and would sink the trust to its floor before the request could say anything.
-        if len(self.chances) == len(tree) and not self._opening:
-            self.trust.observe(sum(self.chances) - 1.0, len(path) - 1)
+        if len(self.chances) == len(tree):
+            (self.opening_trust if self._opening else self.trust).observe(sum(self.chances) - 1.0, len(path) - 1)
         self._store_rows(verified.rows.ids.tolist(), verified.rows.probs.tolist(), [node[0] for node in nodes],
                          verified.accepted_last(len(tree)))
         if self.calibrate:
@@ -268,16 +275,18 @@ class RecapDrafter(Drafter):
         self.stream_chances.clear()
         self.row_chances.clear()
         self.placed.clear()
+        self.opening_trust = Trust(low=OPENING_LOW)
         self.own_request_state()
 
     def state(self) -> dict:
-        """The order-1 table, the stream memory and the learned chances: orders 2/3 reset per request."""
+        """The order-1 table, the stream memory, the learned chances and how openings fared: orders 2/3 and a
+        request's own trust reset per request."""
         return {"order1": self.order1.state(), "stream": self.stream.state(),
                 "stream_chances": self.stream_chances.state(), "row_chances": self.row_chances.state(),
-                "placed": self.placed.state()}
+                "placed": self.placed.state(), "opening_trust": self.opening_trust.state()}
 
     def load_state(self, state: dict) -> None:
-        keys = {"order1", "stream", "stream_chances", "row_chances", "placed"}
+        keys = {"order1", "stream", "stream_chances", "row_chances", "placed", "opening_trust"}
         if not isinstance(state, dict) or set(state) != keys:
             raise ValueError("a RECAP memory holds exactly " + ", ".join(f"'{k}'" for k in sorted(keys)) +
                              " (a memory file from an older recap: start without it)")
@@ -286,11 +295,13 @@ class RecapDrafter(Drafter):
         self.stream_chances.check_state(state["stream_chances"])
         self.row_chances.check_state(state["row_chances"])
         self.placed.check_state(state["placed"])
+        Trust.check_state(state["opening_trust"])
         self.order1.load_state(state["order1"])
         self.stream.load_state(state["stream"])
         self.stream_chances.load_state(state["stream_chances"])
         self.row_chances.load_state(state["row_chances"])
         self.placed.load_state(state["placed"])
+        self.opening_trust.load_state(state["opening_trust"])
 
     # --- mixing ---------------------------------------------------------------------------------------------
 
@@ -361,10 +372,10 @@ class RecapDrafter(Drafter):
         active = tree.active.get(segs[-1])
         if not active:
             return None, 0
-        count, toks = tree.count, tree.toks
+        count, kids = tree.count, tree.kids
         for m in range(min(len(active), tree.depth - 1), 0, -1):
             pos = active[m - 1]
-            if pos > 0 and count[pos] > 1 and toks[pos]:
+            if pos > 0 and count[pos] > 1 and kids[pos]:
                 return pos, m
         return None, 0
 
@@ -487,12 +498,12 @@ class RecapDrafter(Drafter):
         bound = self._bound()
         tree_s = self.stream.tree
         anchor = min(ANCHOR, tree_s.depth - 1)
-        sizer = self.cost.chooser(self.paced) if self.wants_costs else None
+        sizer = self.cost.chooser(self.paced, probe=not self._opening) if self.wants_costs else None
         budget, stops = self.budget, self.stops
         push, pop = heapq.heappush, heapq.heappop
         # (-path chance, node, rank of the candidate it places, or MIX: work out the node's candidates)
         frontier: list[tuple[float, int, int]] = [(-first[0][4], 0, 0)] if first else []
-        trust = self.trust.factor if sizer is not None else 1.0
+        trust = (self.opening_trust if self._opening else self.trust).factor if sizer is not None else 1.0
         # Growth surely goes on while the best waiting chance beats the sizer's threshold (it moves only when a
         # node is placed); below it the sizer decides. Without a sizer, up to the budget.
         limit = sizer.threshold() / trust if sizer is not None else 0.0
@@ -585,17 +596,38 @@ class Trust:
     its steps so far, within [LOW, HIGH]. The learned chances are the run's averages; one request (a rewrite of a
     passage whose phrases keep matching and never continue as they did, an answer that copies its prompt) can sit
     far from them, and a tree sized on the averages would keep paying for nodes that do not come. Sizing scales
-    a tree's chances by it; the tree's shape and order do not change."""
+    a tree's chances by it; the tree's shape and order do not change.
+
+    The stream's openings keep one of their own, across requests and in the memory file, with a lower floor: an
+    opening is one tree a request, and a stream whose openings keep failing (prompts that share only their chat
+    template: after SmolLM2's third prompt most openings accepted nothing) should draft almost none, while one
+    whose questions repeat (the demo's VQA) keeps them whole."""
 
     LOW, HIGH, K = 0.25, 1.5, 4.0
 
-    def __init__(self) -> None:
+    def __init__(self, low: float = LOW) -> None:
+        self.low = low
         self.expected = self.emitted = 0.0
 
     def observe(self, expected: float, emitted: int) -> None:
         self.expected += expected
         self.emitted += emitted
 
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"expected": torch.tensor(self.expected, dtype=torch.float64),
+                "emitted": torch.tensor(self.emitted, dtype=torch.float64)}
+
+    @staticmethod
+    def check_state(state) -> None:
+        if not isinstance(state, dict) or set(state) != {"expected", "emitted"} or not all(
+                isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype.is_floating_point and torch.isfinite(t)
+                and t >= 0 for t in state.values()):
+            raise ValueError("the openings' trust must hold 'expected' and 'emitted', two finite numbers >= 0")
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.check_state(state)
+        self.expected, self.emitted = float(state["expected"]), float(state["emitted"])
+
     @property
     def factor(self) -> float:
-        return min(self.HIGH, max(self.LOW, (self.emitted + self.K) / (self.expected + self.K)))
+        return min(self.HIGH, max(self.low, (self.emitted + self.K) / (self.expected + self.K)))
