@@ -47,6 +47,10 @@ VARIANTS = {
     "tr-auto": ("tr", {"budget": "auto"}),
     "pld-10": ("pld", {"budget": 10}),
     "suffix": ("suffix", {}),  # SuffixDecoding with vLLM's defaults: sizes its own chains, no cost model
+    # The stream memory's depth (the longest match it keeps; a longer continuation re-anchors): 32 by default.
+    "recap-16-depth24": ("recap", {"budget": 16, "stream_depth": 24}),
+    "recap-16-depth16": ("recap", {"budget": 16, "stream_depth": 16}),
+    "recap-auto-depth16": ("recap", {"stream_depth": 16}),
 }
 
 

@@ -40,11 +40,12 @@ class SuffixTree:
         if not 1 <= depth < SPAN:
             raise ValueError(f"depth is 1..{SPAN - 1}")
         self.depth, self.ordered = depth, ordered
-        self.dirty: set[int] = set()  # unordered: nodes whose children's counts changed since last sorted
         self.count: list[int] = [0]
         self.kids: list[dict[int, int]] = [{}]  # token -> node (>= 0) or ~leaf
-        self.toks: list[list[int]] = [[]]  # children's tokens, decreasing count (the root's are not kept)
-        self.negc: list[list[int]] = [[]]  # minus their counts, beside them: increasing, for bisect
+        # Ordered trees only: children's tokens, decreasing count (the root's are not kept), and minus their counts
+        # beside them (increasing, for bisect).
+        self.toks: list[list[int]] = [[]]
+        self.negc: list[list[int]] = [[]]
         self.last: list[int] = [-1]  # the sequence that most recently passed through each node
         self.free: list[int] = []  # node ids to reuse
         self.leaf_seq: list[int] = []
@@ -101,7 +102,7 @@ class SuffixTree:
     def _descend(self, sid: int, token: int, old: list[int], new: list[int], at: int) -> None:
         """``append``'s walk where children are ordered only when read: the counts alone (the loop every token
         of the stream memory pays, ``depth`` times)."""
-        count, kids, last, dirty = self.count, self.kids, self.last, self.dirty
+        count, kids, last = self.count, self.kids, self.last
         for length in range(len(new) - 1, 0, -1):  # longest first; a suffix of length >= 1 is never the root
             pos = old[length - 1]
             if pos < 0:  # its own leaf grows by itself
@@ -114,7 +115,6 @@ class SuffixTree:
             if child < 0:
                 child = self._materialize(pos, token, ~child)
             count[child] += 1
-            dirty.add(pos)
             last[child] = sid
             new[length] = child
         child = kids[ROOT].get(token)  # the empty suffix: the root's children are never read in order
@@ -161,39 +161,38 @@ class SuffixTree:
             self.leaf_pos.append(at)
             self.leaf_depth.append(depth)
         self.kids[parent][token] = ~leaf
-        if parent != ROOT:  # a new child has count 1: last in its parent's order
+        if parent != ROOT and self.ordered:  # a new child has count 1: last in its parent's order
             self.toks[parent].append(token)
             self.negc[parent].append(-1)
-            if not self.ordered:  # ties sorted by token when read: the order is a function of the counts alone
-                self.dirty.add(parent)
         return leaf
-
-    def _new_node(self) -> int:
-        if self.free:
-            node = self.free.pop()
-            self.count[node], self.kids[node], self.toks[node], self.negc[node] = 0, {}, [], []
-            return node
-        self.count.append(0)
-        self.kids.append({})
-        self.toks.append([])
-        self.negc.append([])
-        self.last.append(-1)
-        return len(self.count) - 1
 
     def _materialize(self, parent: int, token: int, leaf: int) -> int:
         """A second occurrence walks into a leaf: its first token becomes a node of count 1 (incremented by the
-        caller), and the chain, one token shorter, hangs under it."""
-        node = self._new_node()
-        self.count[node] = 1
+        caller), and the chain, one token shorter, hangs under it. Every token written into text seen before pays
+        this, up to ``depth`` times: it allocates only what the tree reads (an unordered tree keeps no sibling
+        order; it sorts a node's children when a drafter reads them, ``ranked``)."""
         sid, at, depth = self.leaf_seq[leaf], self.leaf_pos[leaf], self.leaf_depth[leaf]
-        self.last[node] = sid
-        self.kids[parent][token] = node
         seq = self.seqs[sid]
-        if at + 1 < len(seq) and depth < self.depth:
+        follows = at + 1 < len(seq) and depth < self.depth
+        below = {seq[at + 1]: ~leaf} if follows else {}
+        if self.free:
+            node = self.free.pop()
+            self.count[node], self.kids[node], self.last[node] = 1, below, sid
+        else:
+            node = len(self.count)
+            self.count.append(1)
+            self.kids.append(below)
+            self.last.append(sid)
+        if self.ordered:  # the children in the reference's order (unordered trees sort them when read)
+            toks, negc = ([seq[at + 1]], [-1]) if follows else ([], [])
+            if node < len(self.toks):
+                self.toks[node], self.negc[node] = toks, negc
+            else:
+                self.toks.append(toks)
+                self.negc.append(negc)
+        self.kids[parent][token] = node
+        if follows:
             self.leaf_pos[leaf], self.leaf_depth[leaf] = at + 1, depth + 1
-            self.kids[node][seq[at + 1]] = ~leaf
-            self.toks[node].append(seq[at + 1])
-            self.negc[node].append(-1)
         else:  # the chain was one token long: the leaf is gone; its owner, if still growing, now sits here
             self.leaf_free.append(leaf)
             active = self.active.get(sid)
@@ -208,10 +207,7 @@ class SuffixTree:
         its own run's position, i.e. the tail of the run above."""
         c = self.count[child]
         self.count[child] = c + 1
-        if parent == ROOT:
-            return
-        if not self.ordered:
-            self.dirty.add(parent)
+        if parent == ROOT or not self.ordered:
             return
         toks, negc = self.toks[parent], self.negc[parent]
         i = bisect_left(negc, -c)
@@ -229,10 +225,7 @@ class SuffixTree:
         """count -= 1; a child with equal-count siblings after it moves behind them (the reference's order)."""
         c = self.count[child]
         self.count[child] = c - 1
-        if parent == ROOT:
-            return
-        if not self.ordered:
-            self.dirty.add(parent)
+        if parent == ROOT or not self.ordered:
             return
         toks, negc = self.toks[parent], self.negc[parent]
         i = bisect_left(negc, -c)
@@ -246,7 +239,7 @@ class SuffixTree:
     def _drop(self, parent: int, token: int, child: int) -> None:
         """Remove a child of count 1 and everything under it."""
         del self.kids[parent][token]
-        if parent != ROOT:
+        if parent != ROOT and self.ordered:
             toks, negc = self.toks[parent], self.negc[parent]
             i = len(toks) - 1 - toks[::-1].index(token)
             del toks[i], negc[i]
@@ -257,7 +250,6 @@ class SuffixTree:
                 self.leaf_free.append(~ref)
                 continue
             stack.extend(self.kids[ref].values())
-            self.dirty.discard(ref)
             self.free.append(ref)
             self.kids[ref] = {}
 
@@ -285,15 +277,17 @@ class SuffixTree:
                 return None
         return pos
 
-    def ranked(self, pos: int) -> tuple[list[int], list[int]]:
-        """A node's children's tokens and minus their counts, most frequent first."""
-        if pos in self.dirty:
-            self.dirty.discard(pos)
-            kids, count = self.kids[pos], self.count
-            order = sorted(((-(count[r] if r >= 0 else 1), t) for t, r in kids.items()))
-            self.toks[pos] = [t for _, t in order]
-            self.negc[pos] = [c for c, _ in order]
-        return self.toks[pos], self.negc[pos]
+    def ranked(self, pos: int) -> tuple[Sequence[int], Sequence[int]]:
+        """A node's children's tokens and minus their counts, most frequent first (unordered: sorted here, ties by
+        token: a drafter reads a few nodes a step, while every token written would change some order)."""
+        if self.ordered:
+            return self.toks[pos], self.negc[pos]
+        kids, count = self.kids[pos], self.count
+        if len(kids) == 1:
+            for t, r in kids.items():
+                return (t,), (-(count[r] if r >= 0 else 1),)
+        order = sorted(((-(count[r] if r >= 0 else 1), t) for t, r in kids.items()))
+        return [t for _, t in order], [c for c, _ in order]
 
     def occurrences(self, pos: int) -> int:
         return self.count[pos] if pos >= 0 else 1
