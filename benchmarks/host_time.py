@@ -11,8 +11,8 @@ after from one run of the script.
 
 Runs ``recap`` over the demo bench sets once to fill its memories, recording every drafter call of the second
 half; then replays those calls (same trees, the memories as they were) ``--reps`` times and reports the median
-per-step time of each part, and per request the time of ``start`` (the prompt written into the memories: host
-work at the prefill, not at a step). Replaying the recorded calls times the host's work alone: the model runs once, so
+per-step time of each part, and per request the time of ``start`` and ``end`` (the prompt, and the answer's
+last tokens, written into the memories: host work at the prefill and after the last step, not at a step). Replaying the recorded calls times the host's work alone: the model runs once, so
 the figures do not depend on how busy the machine's cores are with the forward passes. Everything the host does
 between two forwards counts against the step (the design budget: at most 0.4 ms at 64 nodes).
 
@@ -90,6 +90,10 @@ class Recorder:
         self.calls.append(("propose", (list(context), room)))
         return self.inner.propose(context, room)
 
+    def end(self, context):
+        self.calls.append(("end", (list(context),)))
+        return self.inner.end(context)
+
     def observe(self, tree, verified):
         self.calls.append(("observe", (tree, verified)))
         return self.inner.observe(tree, verified)
@@ -99,9 +103,9 @@ def replay(drafter, calls, engine) -> dict[str, list[float]]:
     """Per-step seconds of propose, observe and input building, replaying ``calls`` on ``drafter``."""
     out = {"propose": [], "observe": [], "inputs": [], "nodes": [], "start": []}
     for kind, args in calls:
-        if kind == "start":  # a request's set-up: its prompt written to the stream memory (at its prefill)
-            t0 = time.perf_counter()
-            drafter.start(*args)
+        if kind in ("start", "end"):  # a request's set-up and close: its prompt, and its answer's last tokens,
+            t0 = time.perf_counter()  # written to the stream memory (at its prefill, after its last step)
+            getattr(drafter, kind)(*args)
             out["start"].append(time.perf_counter() - t0)
         elif kind == "prompt_rows":
             drafter.prompt_rows(*args)
@@ -143,7 +147,7 @@ def measure(model: str, inputs: list[Path], budget: str, max_new_tokens: int, li
     steps = len(per_rep[0]["propose"])
     ms = {part: 1000 * statistics.median(sum(r[part]) / steps for r in per_rep)
           for part in ("propose", "observe", "inputs")}
-    starts = len(per_rep[0]["start"])
+    starts = sum(kind == "start" for kind, _ in calls)
     ms["start_per_request"] = 1000 * statistics.median(sum(r["start"]) / starts for r in per_rep)
     return {"method": method, "budget": budget, "steps": steps, "nodes_per_step": statistics.mean(per_rep[0]["nodes"]),
             "ms_per_step": ms, "drafting_ms": ms["propose"] + ms["observe"], "threads": torch.get_num_threads(),
@@ -207,7 +211,8 @@ def main() -> None:
             print(f"{side:6s} {row['method']:6s} budget {budget:4s}: {row['steps']} steps, {row['nodes_per_step']:.1f} "
                   f"nodes/step; propose {ms['propose']:.3f} + observe {ms['observe']:.3f} = drafting "
                   f"{row['drafting_ms']:.3f} ms/step; inputs (ids, positions, mask) {ms['inputs']:.3f} ms; "
-                  f"start (the prompt into the memories) {ms['start_per_request']:.3f} ms/request", flush=True)
+                  f"start and end (the prompt, the answer's end into the memories) {ms['start_per_request']:.3f} "
+                  "ms/request", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_bytes(orjson.dumps({"model": args.model, "results": results}, option=orjson.OPT_INDENT_2))

@@ -18,6 +18,7 @@ from recap_cli.decoding.batched import Batch, BatchEngine, Flight, length_groups
 from recap_cli.decoding.batched_static import StaticBatchEngine
 from recap_cli.decoding.cost import BatchCost, RowShare, SizeChooser, batch_width, draining_width
 from recap_cli.drafters import Drafter, RecapDrafter
+from recap_cli.drafters.stream import StreamMemory
 from recap_cli.decoding.engine import Engine, generate
 from recap_cli.prefix_cache import PrefixCache
 from recap_cli.records import Request
@@ -316,14 +317,25 @@ def test_a_joint_prefill_that_fails_is_retried_alone(get_adapter, tmp_path, monk
     real_prefill = Engine.prefill_tree
     monkeypatch.setattr(Engine, "prefill_tree", prefill_tree)
     turns = sum(len(r.turns) for i, r in enumerate(reqs) if i != 2)
+    resumed = []  # turns that went on from their conversation's last one (its text, in the same request)
+    real_resume = StreamMemory.resume
+
+    def resume(self, prompt):
+        ended = real_resume(self, prompt)
+        resumed.append(ended)
+        return ended
+
+    monkeypatch.setattr(StreamMemory, "resume", resume)
     for method, batch in (("ar", 4), ("recap", 4), ("suffix", 4), ("recap", 1)):
         session = Session(adapter, method, batch=batch)
+        resumed.clear()
         out = run(session, reqs)
         assert out[2][0]["error"] == "RuntimeError: out of memory", method
         assert [t for i, (_, t) in enumerate(out) if i != 2] == [t for i, (_, t) in enumerate(want) if i != 2]
-        # Every turn that ran is in the shared memory once; the turn whose prefill failed is not.
+        # Every turn that ran is in the shared memory once (a next turn inside its conversation's request); the
+        # turn whose prefill failed is not.
         if method == "recap":
-            assert len(session.drafter.stream.requests) == turns
+            assert len(session.drafter.stream.requests) == turns - sum(e is not None for e in resumed)
         if method == "suffix":
             assert len(session.drafter.cached) == turns
 

@@ -179,6 +179,58 @@ def test_a_prompt_writes_only_what_the_previous_prompt_did_not():
     assert copy.last_prompt == template + [20, 21, 23]
 
 
+def test_a_conversations_next_turn_goes_on_in_its_request_instead_of_writing_the_answer_again():
+    """A next turn's prompt is the earlier turns, their answers and a new question: it continues the ended turn's
+    text (one request, each token counted once), writes only the new question, and sees the earlier answer as its
+    own text. The answer's last step's tokens, never proposed from, are written when the turn ends."""
+    d = make_drafter("recap", 100, banned=[99], budget=8, stream_depth=8)
+    first = [1, 2, 99, 99, 3, 4]
+    d.start(first, None)
+    d.propose(first + [30, 31, 32], room=20)
+    d.end(first + [30, 31, 32, 33, 34])  # the last step emitted 33 34: written now
+    tree = d.stream.tree
+    assert tree.occurrences(tree.match([32, 33, 34])) == 1
+    nxt = first + [30, 31, 32, 33, 34, 5, 6, 7]
+    d.start(nxt, None)
+    assert len(d.stream.requests) == 1 and d.index.seen == len(nxt)
+    assert list(tree.seqs.values()) == [[1, 2], [3, 4, 30, 31, 32, 33, 34, 5, 6, 7]]
+    assert tree.occurrences(tree.match([30, 31, 32])) == 1  # the answer was not written again as prompt text
+    d.propose(nxt + [30, 31], room=20)
+    assert tree.source(tree.match([32, 33, 34])) in d._here  # the earlier answer is this conversation's own text
+    other = [1, 2, 99, 99, 3, 9]  # a prompt that does not go on from an ended request's text: a request of its own
+    d.end(nxt + [30, 31])
+    d.start(other, None)
+    assert len(d.stream.requests) == 2
+
+
+def test_a_next_turn_that_never_ran_gives_its_conversation_back():
+    """A turn's prefill that fails takes back what it wrote; one that continued an ended turn puts that turn's
+    text back as it was, to be continued again when the turn is retried (alone, with a drafter of its own)."""
+    d = make_drafter("recap", 100, banned=[99], budget=8, stream_depth=8)
+    first = [1, 2, 99, 3, 4]
+    d.start(first, None)
+    d.end(first + [30, 31, 32])
+    before = [list(s) for s in d.stream.tree.seqs.values()], d.stream.tree.occurrences(d.stream.tree.match([30, 31, 32]))
+    retry = first + [30, 31, 32, 5, 6]
+    d.start(retry, None)
+    d.withdraw()
+    tree = d.stream.tree
+    assert sorted(tree.seqs.values()) == sorted(before[0]) and len(d.stream.requests) == 1
+    assert tree.occurrences(tree.match([30, 31, 32])) == before[1] and tree.match([32, 5]) is None
+    again = d.fork()
+    again.start(retry, None)
+    assert len(d.stream.requests) == 1 and tree.occurrences(tree.match([32, 5, 6])) == 1
+
+
+def test_ended_requests_evicted_from_the_stream_are_not_continued():
+    memory = StreamMemory(banned=[99], depth=4, max_requests=1)
+    segs = memory.begin()
+    memory.write(segs, [1, 2, 3])
+    memory.end(segs, [1, 2, 3], 0)
+    memory.write(memory.begin(), [7, 8])  # a second request evicts the first
+    assert memory.resume([1, 2, 3, 4]) is None
+
+
 def test_recap_drafts_a_phrase_of_an_earlier_request_from_the_stream():
     d = make_drafter("recap", 100, budget=8)
     d.start([1, 2], None)

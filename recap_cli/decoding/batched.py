@@ -740,6 +740,8 @@ class Batch:
         if rows:
             self.pause = self.flights[rows[-1]].pause
         for i in rows:
+            if i not in failed:
+                self.flights[i].drafter.end(self.flights[i].context)
             if self.keeps is not None and i not in failed and self.keeps(self.flights[i].tag):
                 self.engine.offer_row(i, self.flights[i].context)
         self.engine.leave(rows)

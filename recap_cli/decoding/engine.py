@@ -501,6 +501,7 @@ def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int, picke
         context.extend(added)
         if picker is not None:
             picker.extend(added)
+    drafter.end(context)
     return gen
 
 

@@ -32,6 +32,9 @@ class Drafter:
         """The prefill's predictions, when they come after ``start`` (a drafter that drafts at prefill); the
         ``observe`` that follows is of the tree the prefill verified."""
 
+    def end(self, context: list[int]) -> None:
+        """This request's turn has ended with ``context`` (its prompt and every token it emitted)."""
+
     def withdraw(self) -> None:
         """This request's prefill failed after ``start`` (a joint prefill out of memory): take back what ``start``
         wrote to the memories shared with other requests, so a turn that never ran leaves nothing there, and one

@@ -176,18 +176,31 @@ class RecapDrafter(Drafter):
         self.stream_chances.renew()
         self.row_chances.renew()
         self.placed.renew()
-        if self.index.segs is not None:  # one request at a time: the last one has ended
+        if self.index.segs is not None:  # one request at a time: the last one stopped without ``end``
             self.stream.finish(self.index.segs)
-        self.index = Cursor()
+        self.index = cursor = Cursor()
         if self.suffix:
-            self.index.segs = self.stream.begin()
-            self.index.seen = self.stream.unseen(prompt)
+            cursor.resumed = self.stream.resume(prompt)  # a conversation's next turn goes on from the last one
+            if cursor.resumed is not None:
+                cursor.segs, cursor.start = cursor.resumed.segs, cursor.resumed.start
+                cursor.seen = len(cursor.resumed.context)
+            else:
+                cursor.segs = self.stream.begin()
+                cursor.seen = cursor.start = self.stream.unseen(prompt)
             self._write(prompt)
         self.prompt_rows(prompt, rows)
 
+    def end(self, context: list[int]) -> None:
+        """The answer's last tokens (those of its last step) go into the stream memory, and a next turn of the
+        conversation may go on from its text."""
+        if self.index.segs is not None:
+            self._write(context)
+            self.stream.end(self.index.segs, context, self.index.start)
+        self.index = Cursor()
+
     def withdraw(self) -> None:
         if self.index.segs is not None:
-            self.stream.withdraw(self.index.segs)
+            self.stream.withdraw(self.index.segs, self.index.resumed)
         self.index = Cursor()
 
     def prompt_rows(self, prompt: list[int], rows: Rows | None) -> None:

@@ -6,7 +6,9 @@ The longest context with the longest lifetime: orders 1-3 key rows by at most th
 ``depth`` tokens (RECAP uses 32), across requests. Bounded like SuffixDecoding's global tree: past
 ``max_requests`` requests the oldest is evicted (its occurrences leave the counts). Image placeholders split the
 text into segments (a match never runs through an image). Shared by every row of a batch; each request writes its
-own segments.
+own segments. A conversation's next turn (a prompt that goes on from an ended request's whole text: the earlier
+turns and their answers) continues that request's segments: its answers are not written again as prompt text,
+and the stream counts each token of a conversation once.
 """
 
 from __future__ import annotations
@@ -19,14 +21,25 @@ import torch
 from .suffix_tree import SuffixTree
 
 OPEN = -1  # a request's segment list ends with OPEN while no segment is being written (after an image)
+CONTINUABLE = 64  # ended requests whose text a new prompt may go on from (a conversation's next turn)
 
 
 class Cursor:
-    """One request's place in the stream memory: its segments there and how much of its context they hold."""
+    """One request's place in the stream memory: its segments there, how much of its context they hold, where
+    their text starts in it, and (a request that continues an ended one's text) that one's, to put back if this
+    request never runs."""
 
     def __init__(self) -> None:
         self.segs: list[int] | None = None
-        self.seen = 0
+        self.seen = self.start = 0
+        self.resumed: Ended | None = None
+
+
+class Ended:
+    """A request that ended: its whole context (prompt and answer), its segments, where their text starts."""
+
+    def __init__(self, context: list[int], segs: list[int], start: int):
+        self.context, self.segs, self.start = context, segs, start
 
 
 class StreamMemory:
@@ -38,6 +51,7 @@ class StreamMemory:
         self.tree = SuffixTree(self.depth, ordered=False)  # equal counts in any order: cheaper to append
         self.requests: deque[list[int]] = deque()  # each request's segment ids, oldest request first
         self.last_prompt: list[int] = []
+        self.ended: deque[Ended] = deque()  # the latest ended requests, oldest first: a next turn continues one
 
     def unseen(self, prompt: list[int]) -> int:
         """Where a new prompt's text must start being written: prompts in a stream share their start (the chat
@@ -61,8 +75,31 @@ class StreamMemory:
         segs = [OPEN]
         self.requests.append(segs)
         while len(self.requests) > self.max_requests:
-            self._forget(self.requests.popleft())
+            gone = self.requests.popleft()
+            self._forget(gone)
+            self.ended = deque(e for e in self.ended if e.segs is not gone)
         return segs
+
+    def resume(self, prompt: list[int]) -> Ended | None:
+        """The latest ended request whose whole text this prompt goes on from (a conversation's next turn: the
+        earlier turns, their answers, then the new question), taken off the list: the new turn writes only what
+        is new, continuing that request's segments, instead of writing its answer again as prompt text. None
+        where no ended request's text starts this prompt."""
+        for i in range(len(self.ended) - 1, -1, -1):
+            ended = self.ended[i]
+            n = len(ended.context)
+            if n <= len(prompt) and prompt[n - 1] == ended.context[-1] and prompt[:n] == ended.context:
+                del self.ended[i]
+                self.last_prompt = list(prompt)
+                return ended
+        return None
+
+    def end(self, segs: list[int], context: list[int], start: int) -> None:
+        """A request has ended with ``context`` (all of it written): a next turn may continue its text. Past the
+        latest CONTINUABLE, the oldest will write no more (``finish``)."""
+        self.ended.append(Ended(list(context), segs, start))
+        if len(self.ended) > CONTINUABLE:
+            self.finish(self.ended.popleft().segs)
 
     def _forget(self, segs: list[int]) -> None:
         """A request's occurrences leave the counts (what only it held leaves the tree)."""
@@ -87,12 +124,18 @@ class StreamMemory:
                 return
             tree.append(sid, t)
 
-    def withdraw(self, segs: list[int]) -> None:
+    def withdraw(self, segs: list[int], resumed: Ended | None = None) -> None:
         """A request that never ran: its text leaves the counts and the request leaves the stream. The next prompt
-        is written in full: the start it shares with the last one may be text only the withdrawn request held."""
+        is written in full: the start it shares with the last one may be text only the withdrawn request held.
+        One that continued an ended request (``resumed``) took that one's segments with it: that text is written
+        again, as it was, and may be continued again (the same turn retried)."""
         self._forget(segs)
         self.requests = deque(r for r in self.requests if r is not segs)
         self.last_prompt = []
+        if resumed is not None:
+            again = self.begin()
+            self.write(again, resumed.context[resumed.start:])
+            self.ended.append(Ended(resumed.context, again, resumed.start))
 
     def finish(self, segs: list[int]) -> None:
         """The request will write no more (its segments' suffixes are let go; the text stays, counted)."""
