@@ -124,10 +124,10 @@ def replay(drafter, calls, engine) -> dict[str, list[float]]:
     return out
 
 
-def measure(model: str, inputs: list[Path], budget: str, max_new_tokens: int, limit: int, reps: int,
-            method: str = "recap", costs: str = "measured") -> dict:
-    """Fill the memories over the first half of the requests, record the second half's drafter calls, replay
-    them ``reps`` times: median per-step milliseconds of each part."""
+def record(model: str, inputs: list[Path], budget: str, max_new_tokens: int, limit: int, method: str = "recap",
+           costs: str = "measured") -> tuple:
+    """Fill the memories over the first half of the requests and record the second half's drafter calls: the
+    drafter as the second half found it, the calls, the session."""
     adapter = load(model, device="cpu", dtype="fp32")
     freeze_loaded()  # as recap run does: no full collection walks the model mid-run
     requests = read_requests(inputs, limit)
@@ -142,7 +142,14 @@ def measure(model: str, inputs: list[Path], budget: str, max_new_tokens: int, li
     session.drafter = Recorder(session.drafter)
     for req in requests[half:]:
         answer_with_tokens(session, req, model, max_new_tokens)
-    calls = session.drafter.calls
+    return frozen, session.drafter.calls, session
+
+
+def measure(model: str, inputs: list[Path], budget: str, max_new_tokens: int, limit: int, reps: int,
+            method: str = "recap", costs: str = "measured") -> dict:
+    """Record a run's drafter calls (``record``), replay them ``reps`` times: median per-step milliseconds of
+    each part."""
+    frozen, calls, session = record(model, inputs, budget, max_new_tokens, limit, method, costs)
     per_rep = [replay(copy.deepcopy(frozen), calls, session.engine) for _ in range(reps)]
     steps = len(per_rep[0]["propose"])
     ms = {part: 1000 * statistics.median(sum(r[part]) / steps for r in per_rep)
