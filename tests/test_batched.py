@@ -447,6 +447,36 @@ def test_in_a_draining_batch_only_rows_that_bound_the_run_draft(get_adapter, tmp
     assert all(all(drafted) for d, _, _, drafted in seen if not d)  # while fed, every row drafted
 
 
+def test_a_draining_batch_takes_no_probe(get_adapter, tmp_path, monkeypatch):
+    """A probe buys knowledge of a width's cost for the steps after it; once nothing will join, the run ends with
+    its slowest row and there is none to buy it for. Every width but 1 costs thousands of steps here, so a wide
+    step can only be a probe: there are some while the batch is fed, none once it drains. Tokens stay batch 1's."""
+    adapter = get_adapter("text")
+    reqs = stream("text", tmp_path, 5)
+    want = [tokens for _, tokens in run(Session(adapter, "ar"), reqs)]
+    session = Session(adapter, "recap", batch=2)
+    for curve in session.batch_engine.cost.by_rows.values():
+        curve.set([1.0 if width == 1 else 1e3 * width for width in curve.sizes])
+        curve.alpha = 0.0  # frozen: what a probe took does not make wide steps look cheap afterwards
+    monkeypatch.setattr(BatchCost, "probe", lambda self: 4)  # a probe is due at every step
+    steps, draft, verify = [], Batch._draft, BatchEngine.verify
+
+    def spy_draft(self, failed):
+        steps.append([self.draining])
+        return draft(self, failed)
+
+    def spy_verify(self, trees, *args):
+        steps[-1].append(max(len(t) for t in trees))
+        return verify(self, trees, *args)
+
+    monkeypatch.setattr(Batch, "_draft", spy_draft)
+    monkeypatch.setattr(BatchEngine, "verify", spy_verify)
+    assert [tokens for _, tokens in run(session, reqs)] == want
+    assert any(width == 4 for draining, width in steps if not draining)  # fed: probes of width 4
+    drained = [width for draining, width in steps if draining]
+    assert drained and drained == [1] * len(drained)  # draining: none
+
+
 def test_only_rows_cut_by_cost_rest(get_adapter):
     """A row rests after the cost model cut its tree to the root, not when it simply had nothing to draft."""
     cost = flat_cost({r: [1.0, 10.0, 10.0, 10.0, 10.0] for r in (1, 2, 4, 8)})

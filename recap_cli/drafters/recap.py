@@ -94,6 +94,8 @@ OPENING_LANE = 2
 Candidate = tuple[float, int, int, int, float]
 # Match length -> bucket (calibration.match_bucket), read once per expanded node.
 MATCH_BUCKETS = tuple(match_bucket(m) for m in range(64))
+# The floor of the openings' trust, below a request's (Trust.LOW): a stream whose openings keep failing drafts
+# almost none (an opening is one bet a request on how other answers began).
 OPENING_LOW = 0.05
 
 
@@ -222,7 +224,8 @@ class RecapDrafter(Drafter):
         path = verified.path
         # A request's trust is how its own text keeps its trees' promises. Its opening was drafted before any of
         # that text existed (from how other answers went on from the same prompt ending): a failed one says
-        # nothing about it, and would sink the trust to its floor before the request could say anything.
+        # nothing about it, and would sink the trust to its floor before the request could say anything. It
+        # counts in the stream's openings' trust instead.
         if len(self.chances) == len(tree):
             (self.opening_trust if self._opening else self.trust).observe(sum(self.chances) - 1.0, len(path) - 1)
         self._store_rows(verified.rows.ids.tolist(), verified.rows.probs.tolist(), [node[0] for node in nodes],
