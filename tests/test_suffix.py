@@ -137,6 +137,20 @@ def test_suffix_takes_no_options():
         make_drafter("suffix", 100, budget=3)
 
 
+def test_the_most_frequent_continuations_of_a_node_with_many_come_first():
+    """Unordered trees sort a node's children when read; asked for the first few of many, they pick them without
+    sorting the rest, in the same order (count, then token)."""
+    rng = random.Random(3)
+    tree = SuffixTree(4, ordered=False)
+    sid = tree.new_seq()
+    for _ in range(400):
+        tree.extend(sid, [0, rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15] + [1, 2, 3] * 5)])
+    pos = tree.match([0])
+    toks, negc = tree.ranked(pos)
+    assert len(toks) == 15 and list(negc) == sorted(negc)
+    assert [(t, c) for t, c in zip(*tree.ranked(pos, 3))] == list(zip(toks, negc))[:3]
+
+
 # --- RECAP's stream memory -----------------------------------------------------------------------------------
 
 def test_stream_memory_splits_at_images_evicts_the_oldest_and_rebuilds_the_same_tree():

@@ -407,7 +407,7 @@ class RecapDrafter(Drafter):
             tree, here = self.stream.tree, self._here
             mb = MATCH_BUCKETS[m]
             if spos >= 0:
-                toks, negc = tree.ranked(spos)
+                toks, negc = tree.ranked(spos, STREAM_RANKS)
                 total = tree.count[spos] - (not deep)
                 if total > 0:
                     kids, last = tree.kids[spos], tree.last

@@ -277,16 +277,18 @@ class SuffixTree:
                 return None
         return pos
 
-    def ranked(self, pos: int) -> tuple[Sequence[int], Sequence[int]]:
+    def ranked(self, pos: int, top: int | None = None) -> tuple[Sequence[int], Sequence[int]]:
         """A node's children's tokens and minus their counts, most frequent first (unordered: sorted here, ties by
-        token: a drafter reads a few nodes a step, while every token written would change some order)."""
+        token: a drafter reads a few nodes a step, while every token written would change some order). ``top``:
+        the first ``top`` are enough (a short context in a long stream can have thousands of continuations)."""
         if self.ordered:
             return self.toks[pos], self.negc[pos]
         kids, count = self.kids[pos], self.count
         if len(kids) == 1:
             for t, r in kids.items():
                 return (t,), (-(count[r] if r >= 0 else 1),)
-        order = sorted(((-(count[r] if r >= 0 else 1), t) for t, r in kids.items()))
+        pairs = ((-(count[r] if r >= 0 else 1), t) for t, r in kids.items())
+        order = heapq.nsmallest(top, pairs) if top is not None and len(kids) > 4 * top else sorted(pairs)
         return [t for _, t in order], [c for c, _ in order]
 
     def occurrences(self, pos: int) -> int:
