@@ -91,13 +91,6 @@ def instructions(code: Path, path: Path, run: bool) -> int:
     return int(re.search(r"Collected : (\d+)", out.stderr).group(1))
 
 
-def checkout(ref: str) -> Path:
-    where = Path(tempfile.mkdtemp(prefix="recap-before-"))
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "recap_cli"], check=True, capture_output=True)
-    subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
-    return where
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo")
@@ -116,7 +109,12 @@ def main() -> None:
         return record(args.code, args.budget, args.record, args.model, args.inputs)
     if args.replay:
         return replay(args.code, args.replay, args.run)
-    sides = {"after": ROOT} if args.before is None else {"before": checkout(args.before), "after": ROOT}
+    sides = {"after": ROOT}
+    if args.before is not None:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from host_time import checkout
+
+        sides = {"before": checkout(args.before), "after": ROOT}
     rows, work = [], Path(tempfile.mkdtemp(prefix="recap-calls-"))
     for budget in args.budgets.split(","):
         for side, code in sides.items():
