@@ -7,8 +7,14 @@ cleared between files, as ``recap compare`` does) and, for every drafted node wh
 accepted, compares the chance the drafter gave it (conditional: its path chance over its parent's) with whether
 it was accepted. A node's path chance is what the cost model sums into expected tokens per step, so a bucket
 whose observed rate falls short of its prediction means trees bigger than they should be. Acceptance does not
-depend on the clock: the table is reliable on a busy machine. ``--before REF`` runs the same on commit REF's
-recap_cli in a second process, for a before/after table.
+depend on the clock, but at ``--budget auto`` the trees' sizes do (the run's step costs): ``--costs fixed`` sizes
+them by host_time.py's frozen costs, the same in every run, for a before/after that differs only by the code.
+``--before REF`` runs the same on commit REF's recap_cli in a second process, for a before/after table.
+
+Sizing does not take the chances as they are: a request's trust (recap_cli/drafters/recap.py ``Trust``) scales
+them by how its trees have kept their promises so far. Besides the chances, the report gives what sizing believed
+(path chances times that trust: "sized") against what was accepted, in all and per depth, where a few points too
+hopeful at each level of a path compound.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ def bucket(p: float) -> str:
     return "0.9-1.0"
 
 
-def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, budget: str) -> dict:
+def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, budget: str,
+            costs: str = "measured") -> dict:
     import recap_cli.drafters.recap as recap_module
     from recap_cli.batch import answer_with_tokens
     from recap_cli.decoding.tree import Source
@@ -48,6 +55,10 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
     adapter = load(model, device="cpu", dtype="fp32")
     knobs = {} if budget == "auto" else {"budget": int(budget)}
     session = Session(adapter, "recap", **knobs)
+    if costs == "fixed":  # sized alike in any process: the frozen step costs of host_time.py
+        from host_time import fixed_costs
+
+        session.engine.cost = fixed_costs()
     drafter = session.drafter
     captured: dict[str, list[float]] = {}
     if not hasattr(drafter, "chances"):  # an older drafter: its layout sees each node's chance
@@ -65,6 +76,7 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
         recap_module._layout = logged
     tally: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0])  # tried, predicted, accepted
     paths: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
+    depths: dict[int, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0])  # nodes, predicted, sized, accepted
     verify = session.engine.verify
 
     def graded(tree):
@@ -72,8 +84,17 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
         chances = getattr(drafter, "chances", None) or captured.get("chances") or [1.0]
         if len(chances) == len(tree):
             accepted = set(verified.path)
+            # What sizing believed: the path chances scaled by the trust the tree was sized with (a request's, or
+            # the openings'), where the drafter keeps one.
+            trust = getattr(drafter, "opening_trust" if getattr(drafter, "_opening", False) else "trust", None)
+            factor, level = getattr(trust, "factor", 1.0), tree.depths()
             for i in range(1, len(tree)):
                 parent = tree.parents[i]
+                at = depths[min(level[i], 4)]
+                at[0] += 1
+                at[1] += chances[i]
+                at[2] += chances[i] * factor
+                at[3] += i in accepted
                 source = Source(tree.sources[i]).name
                 path = paths[bucket(chances[i])]
                 path[0] += 1
@@ -101,10 +122,13 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
                  for b, (t, p, a) in sorted(paths.items()) if t]
     total = sum(r["tested"] for r in rows)
     gap = sum(abs(r["predicted"] - r["observed"]) * r["tested"] for r in rows) / total if total else 0.0
+    depth_rows = [{"depth": d, "nodes": n, "predicted": p / n, "sized": z / n, "observed": a / n}
+                  for d, (n, p, z, a) in sorted(depths.items()) if n]
     path_total = sum(t for t, _, _ in paths.values())
     expected = sum(p for _, p, _ in paths.values())
     return {"steps": steps, "nodes_per_step": nodes / max(steps, 1), "tokens_per_step": emitted / max(steps, 1),
-            "conditional": rows, "path": path_rows, "weighted_gap": gap,
+            "conditional": rows, "path": path_rows, "depth": depth_rows, "weighted_gap": gap,
+            "sized_drafted_per_step": sum(z for _, _, z, _ in depths.values()) / max(steps, 1),
             "predicted_drafted_per_step": expected / max(steps, 1),
             "observed_drafted_per_step": sum(a for _, _, a in paths.values()) / max(steps, 1),
             "path_nodes": path_total}
@@ -130,6 +154,11 @@ def show(label: str, out: dict) -> None:
     print(f"{'path chance':17s} {'nodes':>7s} {'predicted':>9s} {'observed':>9s}  (every drafted node: accepted?)")
     for r in out["path"]:
         print(f"{r['bucket']:17s} {r['nodes']:7d} {r['predicted']:9.3f} {r['observed']:9.3f}")
+    if "depth" in out:
+        print(f"drafted tokens per step sized on (path chances x trust) {out['sized_drafted_per_step']:.3f}")
+        print(f"{'depth (4: 4+)':13s} {'nodes':>7s} {'predicted':>9s} {'sized':>9s} {'observed':>9s}  (path chances)")
+        for r in out["depth"]:
+            print(f"{r['depth']:<13d} {r['nodes']:7d} {r['predicted']:9.3f} {r['sized']:9.3f} {r['observed']:9.3f}")
 
 
 def main() -> None:
@@ -140,19 +169,23 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=1000, help="requests per input file")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--budget", default="auto")
+    ap.add_argument("--costs", choices=("measured", "fixed"), default="measured",
+                    help="fixed: the frozen step costs of host_time.py, so trees at --budget auto are sized alike "
+                         "in every run (measured: this machine's, as a run learns them)")
     ap.add_argument("--before", default=None, help="git commit whose recap_cli to measure too")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.inner:
-        print(orjson.dumps(measure(args.model, args.inputs, args.limit, args.max_new_tokens, args.budget)).decode())
+        print(orjson.dumps(measure(args.model, args.inputs, args.limit, args.max_new_tokens, args.budget,
+                                   args.costs)).decode())
         return
     report = {}
     sides = {"after": ROOT} if args.before is None else {"before": checkout(args.before), "after": ROOT}
     for side, code in sides.items():
         cmd = [sys.executable, __file__, "--inner", "--model", args.model, "--limit", str(args.limit),
-               "--max-new-tokens", str(args.max_new_tokens), "--budget", args.budget, "--inputs",
-               *map(str, args.inputs)]
+               "--max-new-tokens", str(args.max_new_tokens), "--budget", args.budget, "--costs", args.costs,
+               "--inputs", *map(str, args.inputs)]
         out = subprocess.run(cmd, env={**os.environ, "RECAP_CODE": str(code)}, check=True, capture_output=True)
         report[side] = orjson.loads(out.stdout.splitlines()[-1])
         show(f"{side} ({args.before if side == 'before' else 'this tree'})", report[side])
