@@ -134,15 +134,6 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
             "path_nodes": path_total}
 
 
-def checkout(ref: str) -> Path:
-    import tempfile
-
-    where = Path(tempfile.mkdtemp(prefix="recap-before-"))
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "recap_cli"], check=True, capture_output=True)
-    subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
-    return where
-
-
 def show(label: str, out: dict) -> None:
     print(f"== {label}: {out['steps']} steps, {out['tokens_per_step']:.3f} tokens/step at {out['nodes_per_step']:.1f} "
           f"nodes; drafted tokens per step predicted {out['predicted_drafted_per_step']:.3f}, observed "
@@ -154,11 +145,10 @@ def show(label: str, out: dict) -> None:
     print(f"{'path chance':17s} {'nodes':>7s} {'predicted':>9s} {'observed':>9s}  (every drafted node: accepted?)")
     for r in out["path"]:
         print(f"{r['bucket']:17s} {r['nodes']:7d} {r['predicted']:9.3f} {r['observed']:9.3f}")
-    if "depth" in out:
-        print(f"drafted tokens per step sized on (path chances x trust) {out['sized_drafted_per_step']:.3f}")
-        print(f"{'depth (4: 4+)':13s} {'nodes':>7s} {'predicted':>9s} {'sized':>9s} {'observed':>9s}  (path chances)")
-        for r in out["depth"]:
-            print(f"{r['depth']:<13d} {r['nodes']:7d} {r['predicted']:9.3f} {r['sized']:9.3f} {r['observed']:9.3f}")
+    print(f"drafted tokens per step sized on (path chances x trust) {out['sized_drafted_per_step']:.3f}")
+    print(f"{'depth (4: 4+)':13s} {'nodes':>7s} {'predicted':>9s} {'sized':>9s} {'observed':>9s}  (path chances)")
+    for r in out["depth"]:
+        print(f"{r['depth']:<13d} {r['nodes']:7d} {r['predicted']:9.3f} {r['sized']:9.3f} {r['observed']:9.3f}")
 
 
 def main() -> None:
@@ -181,7 +171,12 @@ def main() -> None:
                                    args.costs)).decode())
         return
     report = {}
-    sides = {"after": ROOT} if args.before is None else {"before": checkout(args.before), "after": ROOT}
+    sides = {"after": ROOT}
+    if args.before is not None:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from host_time import checkout
+
+        sides = {"before": checkout(args.before), "after": ROOT}
     for side, code in sides.items():
         cmd = [sys.executable, __file__, "--inner", "--model", args.model, "--limit", str(args.limit),
                "--max-new-tokens", str(args.max_new_tokens), "--budget", args.budget, "--costs", args.costs,
