@@ -11,8 +11,8 @@ import pytest
 
 from recap_cli.batch import answer_all
 from recap_cli.decoding.batched import BatchEngine
-from recap_cli.decoding.cost import (PROBE_FIRST, PROBE_MOST, UNKNOWN, BatchCost, OpeningCost, Probes, StepCost,
-                                     batch_width, best_size)
+from recap_cli.decoding.cost import (PROBE_FIRST, PROBE_MOST, UNKNOWN, BatchCost, HostCost, OpeningCost, Probes,
+                                     StepCost, batch_width, best_size)
 from recap_cli.decoding.engine import Engine, generate
 from recap_cli.decoding.tree import Source, Tree
 from recap_cli.drafters import Drafter
@@ -207,6 +207,28 @@ def test_paced_sizes_maximise_the_runs_throughput(rate, chances, more):
     assert sizer.size == by_ratio
 
 
+def test_drafting_is_charged_per_node_its_slope_not_its_fixed_part():
+    """A step's drafting = a fixed part (writes, the root, the layout) + a cost per node: only the per-node part
+    prices a bigger tree. Seconds over nodes would charge the fixed part to every node."""
+    for cost in (StepCost(SIZES), BatchCost(16, 8)):
+        for i in range(200):
+            n = 1 + (7 * i) % 20
+            cost.observe_host(n, 200e-6 + 20e-6 * n)
+        assert cost.host_per_node == pytest.approx(20e-6, rel=1e-3)  # seconds over nodes: 38 us
+    host = HostCost()
+    for _ in range(50):  # one size says nothing about the slope: nothing is charged yet
+        host.observe(1, 220e-6)
+    assert host.per_node == 0.0
+    for i in range(100):
+        host.observe(1 + (3 * i) % 12, 200e-6 + 20e-6 * (1 + (3 * i) % 12))
+    for _ in range(200):  # the root alone again (nothing predictable): the slope learned stays
+        host.observe(1, 220e-6)
+    assert host.per_node == pytest.approx(20e-6, rel=1e-3)
+    for i in range(300):  # never more than seconds over nodes (a fixed part below 0 is noise): 34 us, not 50
+        host.observe(1 + i % 4, 10e-6 + 50e-6 * (i % 4))
+    assert host.per_node == pytest.approx(host.y / host.x) and host.per_node < 40e-6
+
+
 def test_the_pace_is_in_the_cost_models_own_units():
     """A cost model uniformly off by a factor (a start-up taken on a busy machine) prices the run's steps off by
     the same factor, so it sizes trees as a right one would."""
@@ -247,13 +269,10 @@ class ChainOracle(Drafter):
         done = len(context) - len(self.prompt)
         follow = self.references[self.prompt][done:done + min(room, self.most)]
         sizer = self.cost.chooser()
-        placed = 0
         for i in range(len(follow)):
             if not sizer.worth_growing(0.95 ** (i + 1)):
                 break
             sizer.place(0.95 ** (i + 1))
-            placed += 1
-        self.grown = placed + 1
         tree = Tree.root(context[-1])
         for i, token in enumerate(follow[:sizer.size - 1]):
             tree.tokens.append(token)

@@ -627,7 +627,7 @@ class Batch:
                 flight.drafter.observe(tree, v)
                 spent = draft_s[i] + time.perf_counter() - t1
                 if flight.drafted:  # a resting row's bookkeeping is no drafting work per node
-                    self.engine.cost.observe_host(max(len(tree), flight.drafter.grown), spent)
+                    self.engine.cost.observe_host(len(tree), spent)
                 flight.gen.draft_s += spent
                 flight.gen.verify_s += verify_s  # the shared forward pass is part of every row's latency
                 added, done = commit(flight.gen, tree, v, self.eos, flight.max_new_tokens)

@@ -72,6 +72,40 @@ class Probes:
         return self.last
 
 
+class HostCost:
+    """The host's drafting seconds a step as ``fixed + per_node * nodes``, fitted by least squares over the
+    run's recent steps (exponential forgetting, DECAY a step). Only the slope sizes trees: the fixed part
+    (writing the step's tokens into the memories, reading the learned chances, the root's candidates, laying
+    the tree out) is paid by every size, the root alone included. Seconds over nodes would charge it to every
+    node: on the demo model at batch 1, 50 us a node where each node cost 20 us (and 0.2-0.3 ms a step was
+    fixed), so trees were sized as if drafting cost two and a half times what it did.
+
+    Trees of a single size say nothing about the slope: until the sizes vary (MIN_SPREAD), the estimate stays
+    where it was (0 at first, as a forward size nothing has timed is met by growing into it). It never exceeds
+    seconds over nodes, the charge a fixed part of 0 would give."""
+
+    DECAY, MIN_SPREAD = 0.05, 0.5  # MIN_SPREAD: the variance of the steps' node counts (nodes squared)
+
+    def __init__(self) -> None:
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+        self.per_node = 0.0
+
+    def observe(self, nodes: int, seconds: float) -> float:
+        """One step's drafting: ``nodes`` tree nodes kept, ``seconds`` of propose + observe; the new slope."""
+        d, keep = self.DECAY, 1.0 - self.DECAY
+        self.w = keep * self.w + d
+        self.x = keep * self.x + d * nodes
+        self.y = keep * self.y + d * seconds
+        self.xx = keep * self.xx + d * nodes * nodes
+        self.xy = keep * self.xy + d * nodes * seconds
+        mx, my = self.x / self.w, self.y / self.w
+        spread = self.xx / self.w - mx * mx
+        if spread >= self.MIN_SPREAD:
+            slope = (self.xy / self.w - mx * my) / spread
+            self.per_node = min(my / mx, max(0.0, slope))
+        return self.per_node
+
+
 class StepCost:
     """Seconds per verification step as a function of the tokens in the forward pass.
 
@@ -91,7 +125,8 @@ class StepCost:
         self.alpha = alpha
         self.seconds: list[float] | None = None  # per grid size (timed, observed or inferred); None until any is
         self.known = [False] * len(self.sizes)  # timed or observed, not inferred
-        self.host_per_node = 0.0  # drafting work (propose + observe) per tree node, seconds
+        self.host_per_node = 0.0  # drafting work (propose + observe) per tree node, seconds (``HostCost``)
+        self.host = HostCost()
         self.pace = Pace()  # tokens per second the run achieves: what a step's marginal node must beat
         self.probes = Probes(self.sizes, self.buckets is not None) if probes else None
         self.probing = False  # the step being drafted is a probe (set by ``chooser``)
@@ -199,7 +234,7 @@ class StepCost:
     def observe_host(self, nodes: int, seconds: float) -> None:
         """Drafting time of one step (propose + observe) for a tree of ``nodes`` nodes."""
         if nodes > 0:
-            self.host_per_node += 0.1 * (seconds / nodes - self.host_per_node)
+            self.host_per_node = self.host.observe(nodes, seconds)
 
     def observe_yield(self, tokens: int, nodes: int) -> None:
         """A step of ``nodes`` nodes emitted ``tokens``: the run's rate, priced at what the model says such a step
@@ -330,7 +365,8 @@ class BatchCost:
         for r, curve in self.by_rows.items():
             curve.templates = self._templates_for(r)
         self.max_width = per_row
-        self.host_per_node = 0.0
+        self.host_per_node = 0.0  # as StepCost's, over every row's steps
+        self.host = HostCost()
         self.probes = Probes(buckets or widths, buckets is not None)
         self.probing = False  # the step being drafted is a probe (set by the batch, see ``probe``)
         self._stale = 0
@@ -380,7 +416,7 @@ class BatchCost:
     def observe_host(self, nodes: int, seconds: float) -> None:
         """Drafting time of one row's step (propose + observe) for a tree of ``nodes`` nodes."""
         if nodes > 0:
-            self.host_per_node += 0.1 * (seconds / nodes - self.host_per_node)
+            self.host_per_node = self.host.observe(nodes, seconds)
 
     def forward_table(self, rows: int) -> list[float]:
         """Forward seconds of a step of ``rows`` rows at width n, for n = 0..max_width (non-decreasing)."""

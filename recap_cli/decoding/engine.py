@@ -493,7 +493,7 @@ def generate(engine: Engine, prompt: Prompt, drafter, max_new_tokens: int, picke
         t3 = time.perf_counter()
         drafter.observe(tree, verified)
         draft_s = (t2 - t1) + (time.perf_counter() - t3)
-        engine.cost.observe_host(max(len(tree), drafter.grown), draft_s)
+        engine.cost.observe_host(len(tree), draft_s)
         gen.draft_s += draft_s
         gen.verify_s += t3 - t2
         added, done = commit(gen, tree, verified, eos, max_new_tokens)

@@ -23,7 +23,6 @@ class Drafter:
     drafts_at_prefill = False
     wants_costs = False
     cost: StepCost | None = None
-    grown = 0  # nodes the last proposal built before any cut to size (its drafting work)
 
     def start(self, prompt: list[int], rows: Rows | None) -> None:
         """A new request begins (per-request memories reset here); ``rows`` are the prefill predictions."""

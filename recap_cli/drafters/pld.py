@@ -42,7 +42,6 @@ class PromptLookupDrafter(Drafter):
         tree = Tree.root(context[-1])
         n, follow = self.index.continuation(context, min(self.num_tokens, room))
         self._follow = (n, follow)
-        self.grown = len(follow)
         if self.wants_costs and follow:
             keep = self.cost.best_size(self.calibration.path_chances(n, len(follow)))
             follow = follow[: keep - 1]

@@ -559,7 +559,6 @@ class RecapDrafter(Drafter):
                 sizer.place(-neg * trust)
                 limit = sizer.threshold() / trust
         n = sizer.size if sizer is not None else len(tokens)
-        self.grown = len(tokens)
         return self._tree(tokens[:n], parents[:n], chances[:n], nodes[:n])
 
     def _reanchor(self, context: list[int], tokens: list[int], parents: list[int], i: int,

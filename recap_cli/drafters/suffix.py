@@ -98,7 +98,6 @@ class SuffixDecodingDrafter(Drafter):
             tree.tokens.append(token)
             tree.parents.append(parent + 1)
             tree.sources.append(source)
-        self.grown = len(tree)
         return tree
 
     def rest(self, context: list[int]) -> Tree:

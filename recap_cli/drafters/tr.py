@@ -80,7 +80,6 @@ class TokenRecyclingDrafter(Drafter):
             tree.sources.append(Source.MATRIX)
             depth.append(depth[at] + 1)
             chance.append(chance[at] * row[1][rank])
-        self.grown = len(tree)
         return self._cut(tree, chance) if self.wants_costs and len(tree) > 1 else tree
 
     def _cut(self, tree: Tree, chance: list[float]) -> Tree:
