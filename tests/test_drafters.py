@@ -477,3 +477,21 @@ def test_openings_that_keep_failing_shrink_and_their_trust_is_kept():
     with pytest.raises(ValueError, match="openings' trust"):
         again.load_state({**saved, "opening_trust": {"expected": torch.tensor(-1.0, dtype=torch.float64),
                                                      "emitted": torch.tensor(0.0, dtype=torch.float64)}})
+
+
+def test_a_slot_filled_anew_drafts_what_followed_the_slot_before():
+    """Earlier answers said 4 5 6 7 and 4 8 6 7 to the same prompt; this one says 4 9, a token the stream never
+    saw after 4. The context's own match is that new token alone, but what followed the slot before (6, then 7)
+    is a skip candidate at the step's root, drafted on along the stream path it came from. Off, nothing is."""
+    def tree_after_new_slot(**kw) -> Tree:
+        d = drafter(**kw)
+        for answer in ([4, 5, 6, 7], [4, 8, 6, 7]):
+            d.start([1, 2, 3], None)
+            d.propose([1, 2, 3] + answer, room=10)
+        d.start([1, 2, 3], None)
+        return d.propose([1, 2, 3, 4, 9], room=10)
+
+    skipped = tree_after_new_slot()
+    assert skipped.tokens[1:3] == [6, 7] and skipped.parents[1:3] == [0, 1]
+    assert skipped.sources[1] in (Source.STREAM, Source.SUFFIX)
+    assert 6 not in tree_after_new_slot(skip=False).tokens

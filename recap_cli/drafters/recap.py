@@ -15,7 +15,10 @@ Two kinds of memory propose a node's children:
 - **The stream memory** (recap_cli/drafters/stream.py): exact matches of the context, up to 32 tokens long,
   anywhere in the text the stream has seen (this request's and earlier requests' prompts and answers), with how
   often each continuation followed. The longest match wins; a continuation drafted past the memory's depth
-  re-anchors on its own last 16 tokens, so a long copied span keeps its draft going.
+  re-anchors on its own last 16 tokens, so a long copied span keeps its draft going. Where the model has just
+  filled a slot as no earlier text did ("Bar C" where earlier answers said "Bar A", "Bar D"), the context's own
+  match is that new token alone; what followed the slot's earlier fillings ("is the shortest") is drafted at the
+  step's root as *skip* candidates, in a class of their own (``skip=False`` turns them off).
 
 A candidate's chance of acceptance is learned from the verifier's verdicts (every candidate of an accepted node
 was put to the test: the one equal to the model's argmax there would have been accepted) per evidence class:
@@ -73,13 +76,15 @@ ANCHOR = 16  # tokens a continuation re-anchors on when it runs past the stream 
 MIX = -1  # a heap entry that works out a node's candidates (its chance is a bound on its best child's)
 
 # Evidence classes (cells) and their parents, as flat indices.
-# Stream: where the continuation last occurred, this request's own text or another request's (2) x match-length
-# bucket (7) x rank 0 / 1 / 2+ (3) x share bucket (5; edges 0.2, 0.5, 0.8, 0.95, inlined in ``_candidates``) x
-# rows agree (2); parent: own x match bucket x rank > 0 x agree. A long match can be the chat template every
-# request shares; own text (a copied passage, a repeated phrase) continues differently from what other requests'
-# answers did.
-STREAM_CELLS = [(((own * 7 + m) * 2 + (r > 0)) * 2 + agree) for own in range(2) for m in range(7) for r in range(3)
-                for s in range(5) for agree in range(2)]
+# Stream: where the continuation last occurred, this request's own text or another request's, or a skip (a
+# continuation past a token the model put where earlier text had another: ``_skipped``) (3) x match-length bucket
+# (7) x rank 0 / 1 / 2+ (3) x share bucket (5; edges 0.2, 0.5, 0.8, 0.95, inlined in ``_candidates``) x rows agree
+# (2); parent: kind x match bucket x rank > 0 x agree. A long match can be the chat template every request shares;
+# own text (a copied passage, a repeated phrase) continues differently from what other requests' answers did.
+STREAM_CELLS = [(((kind * 7 + m) * 2 + (r > 0)) * 2 + agree) for kind in range(3) for m in range(7)
+                for r in range(3) for s in range(5) for agree in range(2)]
+OWN, SKIP = 7, 14  # a stream cell's kind, as its offset in match buckets (other requests' text: 0)
+SKIPPED = SKIP * 15 * 2  # stream cells from here on are skips
 # Rows: order 1/2/3 (3) x rank 0..3+ (4) x probability bucket (5, the same edges) x below the root (2) x the
 # stream proposed something else (2); parent: order x rank x stream.
 ROW_CELLS = [((o * 4 + r) * 2 + other) for o in range(3) for r in range(4) for p in range(5) for deep in range(2)
@@ -112,7 +117,7 @@ class RecapDrafter(Drafter):
                  mixing: str = "confidence", weights: tuple[float, ...] = CONFIDENCE_WEIGHTS, suffix: bool = True,
                  stream_depth: int = 32, stream_requests: int = 1000, budget: int | str = "auto", depth: int = 24,
                  width: int = 2, top_k: int = 8, cap: int = 1 << 16, calibrate: bool = True, paced: bool = True,
-                 early: bool = True, prompt_rows: bool = False):
+                 early: bool = True, prompt_rows: bool = False, skip: bool = True):
         if mixing not in ("confidence", "fixed"):
             raise ValueError("mixing is 'confidence' or 'fixed'")
         if budget != "auto" and not (isinstance(budget, int) and budget >= 0):
@@ -127,6 +132,7 @@ class RecapDrafter(Drafter):
         self.banned = frozenset(banned)
         self.stops = frozenset(stops)  # a drafted stop token is a leaf: the generation ends there
         self.cap, self.paced, self.calibrate = cap, paced, calibrate
+        self.skips = skip  # skip candidates at a step's root (``_skipped``)
         self.drafts_at_prefill = early  # the first tree rides on the prompt's forward pass (where the engine can)
         # ``prompt_rows``: the prefill's predictions at every prompt text position seed the rows too. Off by
         # default: they cost the output layer at every such position (on a CPU with text-heavy prompts, most of
@@ -161,6 +167,8 @@ class RecapDrafter(Drafter):
         self._nodes: list[list] = []
         self._here: set[int] | tuple = ()  # this request's segments in the stream memory (set by ``propose``)
         self._prompt_length = 0  # where this request's answer starts: a tree rooted there is its opening
+        self._skip: tuple[int, int] | None = None  # the step's skip point (``_advance``)
+        self._skip_at: dict[int, tuple[int, int]] = {}  # a skip candidate -> (stream position, path length)
         self._opening = False  # the last tree was an opening (drafted before the prompt ran, verified by it)
 
     @property
@@ -210,12 +218,62 @@ class RecapDrafter(Drafter):
             self._store_rows(rows.ids.tolist(), rows.probs.tolist(),
                              [tuple(prompt[max(0, i - 2): i + 1]) for i in rows.positions])
 
-    def _write(self, context: list[int]) -> None:
-        """The stream memory learns this request's text as it is committed."""
+    def _write(self, context: list[int], end: int | None = None) -> None:
+        """The stream memory learns this request's text as it is committed (up to ``end``)."""
         cursor = self.index
-        if cursor.segs is not None and len(context) > cursor.seen:
-            self.stream.write(cursor.segs, context[cursor.seen:])
-            cursor.seen = len(context)
+        end = len(context) if end is None else end
+        if cursor.segs is not None and end > cursor.seen:
+            self.stream.write(cursor.segs, context[cursor.seen:end])
+            cursor.seen = end
+
+    def _advance(self, context: list[int]) -> tuple[int, int] | None:
+        """``_write``, and the step's skip point: where the context's last token never followed the longest match
+        of the text before it (the model filled a slot as no earlier text had), that match as (stream node,
+        length), for the root's skip candidates (``_skipped``); else None."""
+        cursor = self.index
+        if cursor.segs is None or len(context) <= cursor.seen or context[-1] in self.banned:
+            self._write(context)
+            return None
+        self._write(context, len(context) - 1)
+        pos, m = self._match()
+        new = pos is not None and context[-1] not in self.stream.tree.kids[pos]  # before this text adds it there
+        self._write(context)
+        return (pos, m) if new else None
+
+    def _skipped(self, streamed: dict[int, tuple[int, float]]) -> None:
+        """The root's skip candidates, into ``streamed`` (a token the exact match proposes keeps its own). The
+        model put a token where the earlier text had others ("Bar C" where answers said "Bar A", "Bar D"): what
+        followed those others ("Bar A is", "Bar D is") likely follows this one too. Their continuations, counted
+        over them, with their shares, in a class of their own; the node of one drafts on along the stream path
+        it came from (``_skip_at``)."""
+        (pos, m), tree, banned = self._skip, self.stream.tree, self.banned
+        counts: dict[int, int] = {}
+        best: dict[int, int] = {}
+        self._skip_at = at = {}
+        total = 0
+        for t, nc in zip(*tree.ranked(pos, STREAM_RANKS)):
+            mid = tree.step(pos, t)
+            total -= nc
+            if mid >= 0:
+                xs, ncs = tree.ranked(mid, STREAM_RANKS)
+                after = [(x, -c) for x, c in zip(xs, ncs)]
+            else:
+                after = tree.children(mid)
+            for x, c in after:
+                if x in banned:
+                    continue
+                counts[x] = counts.get(x, 0) + c
+                if c > best.get(x, 0):
+                    best[x] = c
+                    at[x] = (tree.step(mid, x), m + 2)
+        mb = MATCH_BUCKETS[m]
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:STREAM_RANKS]
+        for rank, (x, c) in enumerate(ranked):
+            if x in streamed:
+                continue
+            p = c / total
+            b = 4 if p >= 0.95 else 3 if p >= 0.8 else 2 if p >= 0.5 else 1 if p >= 0.2 else 0
+            streamed[x] = (((SKIP + mb) * 15 + (rank if rank < 2 else 2) * 5 + b) * 2, p)
 
     def observe(self, tree: Tree, verified: Verified) -> None:
         nodes = self._nodes
@@ -418,13 +476,15 @@ class RecapDrafter(Drafter):
                         p = -negc[rank] / total
                         b = 4 if p >= 0.95 else 3 if p >= 0.8 else 2 if p >= 0.5 else 1 if p >= 0.2 else 0
                         ref = kids[t]  # the sequence that last passed there: tree.source, inlined
-                        own = 7 if (last[ref] if ref >= 0 else tree.leaf_seq[~ref // SPAN]) in here else 0
+                        own = OWN if (last[ref] if ref >= 0 else tree.leaf_seq[~ref // SPAN]) in here else 0
                         streamed[t] = (((own + mb) * 15 + (rank if rank < 2 else 2) * 5 + b) * 2, p)
             else:  # inside a chain only one sequence holds: one continuation, every time
                 kids = tree.children(spos)
                 if kids and kids[0][0] not in banned:
-                    own = 7 if tree.source(spos) in here else 0
+                    own = OWN if tree.source(spos) in here else 0
                     streamed[kids[0][0]] = (((own + mb) * 15 + 4) * 2, 1.0)
+        if not deep and self._skip is not None:
+            self._skipped(streamed)
         raw: list[tuple[float, int, int, int]] = []
         total = 0.0
         found = self.rows_for(key) if key else ()
@@ -495,11 +555,13 @@ class RecapDrafter(Drafter):
         chance times ``_bound``, so the order is exactly best-first and the leaves cost nothing. With
         ``budget="auto"`` the tree stops growing when no bigger tree can beat the best size so far
         (``SizeChooser``), and is cut to that best size."""
-        self._write(context)
+        self._skip = self._advance(context)
         self._here = set(self.index.segs) if self.index.segs is not None else ()  # this request's own text
         tail = tuple(context[-3:])
         max_depth = min(self.depth, room)
         spos, m = self._match() if self.suffix and max_depth > 0 else (None, 0)
+        if m > 1 or not self.skips:  # the context's own match says more than its last token: no skip
+            self._skip = None
         # The learned coefficients, fetched once: nothing is recorded until the step is verified.
         calibrated = self.calibrate
         self._row_ab = self.row_chances.coefficients() if calibrated else (None, None)
@@ -547,9 +609,12 @@ class RecapDrafter(Drafter):
             chances.append(-neg)
             d = node[3] + 1
             spos = node[1]
-            child = tree_s.step(spos, token) if spos is not None else None
-            cm = node[2] + 1 if child is not None else 0
-            if spos is not None and (child is None and node[2] + 1 >= tree_s.depth or cm >= tree_s.depth):
+            if s_cell >= SKIPPED:  # a skip (at the root): on along the stream path it came from
+                child, cm = self._skip_at[token]
+            else:
+                child = tree_s.step(spos, token) if spos is not None else None
+                cm = node[2] + 1 if child is not None else 0
+            if child is None and spos is not None and node[2] + 1 >= tree_s.depth or cm >= tree_s.depth:
                 # At the memory's depth nothing continues: match the path's own last tokens afresh.
                 child, cm = self._reanchor(context, tokens, parents, i, anchor)
             nodes.append([(node[0] + (token,))[-3:], child, cm, d, (), (lane, chance), r_cell])
