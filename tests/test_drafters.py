@@ -8,7 +8,7 @@ import torch
 from recap_cli.decoding.cost import StepCost
 from recap_cli.drafters import PromptLookupDrafter, RecapDrafter, TokenRecyclingDrafter, make_drafter
 from recap_cli.drafters.memory import KeyedMemory, NgramIndex, TokenTable
-from recap_cli.drafters.recap import OPENING_LANE
+from recap_cli.drafters.recap import OPENING_LANE, SKIP_CONTEXT
 from recap_cli.drafters.tr import LEVEL_SIZES, build_template
 from recap_cli.decoding.tree import Rows, Source, Tree, Verified
 
@@ -480,18 +480,22 @@ def test_openings_that_keep_failing_shrink_and_their_trust_is_kept():
 
 
 def test_a_slot_filled_anew_drafts_what_followed_the_slot_before():
-    """Earlier answers said 4 5 6 7 and 4 8 6 7 to the same prompt; this one says 4 9, a token the stream never
-    saw after 4. The context's own match is that new token alone, but what followed the slot before (6, then 7)
-    is a skip candidate at the step's root, drafted on along the stream path it came from. Off, nothing is."""
-    def tree_after_new_slot(**kw) -> Tree:
+    """Earlier answers to the same prompt said 10 11 12 13 and 10 14 12 13; this one says 10 15, a token the
+    stream never saw there. The context's own match is that new token alone, but what followed the slot before
+    (12, then 13) is a skip candidate at the step's root, drafted on along the stream path it came from. Off,
+    nothing is; nor after a frame shorter than SKIP_CONTEXT tokens (a new token after a short match is text
+    going its own way)."""
+    def tree_after_new_slot(prompt: list[int], **kw) -> Tree:
         d = drafter(**kw)
-        for answer in ([4, 5, 6, 7], [4, 8, 6, 7]):
-            d.start([1, 2, 3], None)
-            d.propose([1, 2, 3] + answer, room=10)
-        d.start([1, 2, 3], None)
-        return d.propose([1, 2, 3, 4, 9], room=10)
+        for answer in ([10, 11, 12, 13], [10, 14, 12, 13]):
+            d.start(prompt, None)
+            d.propose(prompt + answer, room=10)
+        d.start(prompt, None)
+        return d.propose(prompt + [10, 15], room=10)
 
-    skipped = tree_after_new_slot()
-    assert skipped.tokens[1:3] == [6, 7] and skipped.parents[1:3] == [0, 1]
+    frame = list(range(1, SKIP_CONTEXT))  # with the answer's first token: a frame of SKIP_CONTEXT tokens
+    skipped = tree_after_new_slot(frame)
+    assert skipped.tokens[1:3] == [12, 13] and skipped.parents[1:3] == [0, 1]
     assert skipped.sources[1] in (Source.STREAM, Source.SUFFIX)
-    assert 6 not in tree_after_new_slot(skip=False).tokens
+    assert 12 not in tree_after_new_slot(frame, skip=False).tokens
+    assert 12 not in tree_after_new_slot(frame[1:]).tokens
