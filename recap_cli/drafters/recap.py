@@ -238,7 +238,7 @@ class RecapDrafter(Drafter):
         had filled otherwise), that match as (stream node, length), for the root's skip candidates
         (``_skipped``); else None."""
         cursor = self.index
-        if cursor.segs is None or len(context) <= cursor.seen or context[-1] in self.banned:
+        if not self.skips or cursor.segs is None or len(context) <= cursor.seen or context[-1] in self.banned:
             self._write(context)
             return None
         self._write(context, len(context) - 1)
@@ -567,7 +567,7 @@ class RecapDrafter(Drafter):
         tail = tuple(context[-3:])
         max_depth = min(self.depth, room)
         spos, m = self._match() if self.suffix and max_depth > 0 else (None, 0)
-        if m > 1 or not self.skips:  # the context's own match says more than its last token: no skip
+        if m > 1:  # the context's own match says more than its last token: no skip
             self._skip = None
         # The learned coefficients, fetched once: nothing is recorded until the step is verified.
         calibrated = self.calibrate
