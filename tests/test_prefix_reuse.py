@@ -93,7 +93,10 @@ def test_every_method_with_and_without_reuse_equals_generate(get_adapter, arch, 
             reused = hits(out)
             assert reused["r3"] > 0 and reused["chat"] > 0, (method, batch, reused)  # a repeat; its own turns
             if arch != "text":  # (text prompts sharing only a chat header are not worth a pass of their own)
-                assert reused["r1"] > 0, (method, batch, reused)  # image 0, another question
+                # Image 0, another question: whichever of the two joins first serves the other. r1 usually
+                # follows r0, but a batch does not wait for a slow preparation (under load r1 can be ready and
+                # join first; then r0 reuses r1's prefix).
+                assert reused["r1"] > 0 or reused["r0"] > 0, (method, batch, reused)
                 assert reused["r2"] == 0  # differs before its image: nothing it could reuse
 
 
