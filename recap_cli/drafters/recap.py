@@ -261,12 +261,7 @@ class RecapDrafter(Drafter):
         for t, nc in zip(*tree.ranked(pos, STREAM_RANKS)):
             mid = tree.step(pos, t)
             total -= nc
-            if mid >= 0:
-                xs, ncs = tree.ranked(mid, STREAM_RANKS)
-                after = [(x, -c) for x, c in zip(xs, ncs)]
-            else:
-                after = tree.children(mid)
-            for x, c in after:
+            for x, c in tree.children(mid, STREAM_RANKS):
                 if x in banned:
                     continue
                 counts[x] = counts.get(x, 0) + c

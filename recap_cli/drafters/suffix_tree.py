@@ -294,10 +294,11 @@ class SuffixTree:
     def occurrences(self, pos: int) -> int:
         return self.count[pos] if pos >= 0 else 1
 
-    def children(self, pos: int) -> list[tuple[int, int]]:
-        """(token, count) of every continuation, most frequent first (ties in the reference's order)."""
+    def children(self, pos: int, top: int | None = None) -> list[tuple[int, int]]:
+        """(token, count) of every continuation, most frequent first (ties in the reference's order); ``top``: only
+        the first ``top`` are needed (``ranked``: more may come)."""
         if pos >= 0:
-            return [(t, -c) for t, c in zip(*self.ranked(pos))]
+            return [(t, -c) for t, c in zip(*self.ranked(pos, top))]
         leaf, k = divmod(~pos, SPAN)
         at = self.leaf_pos[leaf] + k
         seq = self.seqs[self.leaf_seq[leaf]]
