@@ -10,11 +10,13 @@ its own process, alternating ``--rounds`` times, and the table gives both (media
 after from one run of the script.
 
 Runs ``recap`` over the demo bench sets once to fill its memories, recording every drafter call of the second
-half; then replays those calls (same trees, the memories as they were) ``--reps`` times and reports the median
-per-step time of each part, and per request the time of ``start`` and ``end`` (the prompt, and the answer's
-last tokens, written into the memories: host work at the prefill and after the last step, not at a step). Replaying the recorded calls times the host's work alone: the model runs once, so
-the figures do not depend on how busy the machine's cores are with the forward passes. Everything the host does
-between two forwards counts against the step (the design budget: at most 0.4 ms at 64 nodes).
+half with the cost model as each step found it (the run's pace and step costs move with every step); then replays
+those calls ``--reps`` times (the run's own trees, the memories as they were; a tree that comes out otherwise is
+counted and reported) and reports the median per-step time of each part, and per request the time of ``start``
+and ``end`` (the prompt, and the answer's last tokens, written into the memories: host work at the prefill and
+after the last step, not at a step). Replaying the recorded calls times the host's work alone: the model runs
+once, so the figures do not depend on how busy the machine's cores are with the forward passes. Everything the
+host does between two forwards counts against the step (the design budget: at most 0.4 ms at 64 nodes).
 
 At ``--budget auto`` the tree sizes follow the run's cost model, which learns from timings: two processes on a
 busy machine size trees differently and their host times are not comparable. ``--costs fixed`` freezes the cost
@@ -87,6 +89,9 @@ class Recorder:
         return self.inner.prompt_rows(prompt, rows)
 
     def propose(self, context, room):
+        # The cost model as this step found it: the run's pace and learned step costs moved with every step the
+        # engine took, and a replay without the model must size the trees the run sized.
+        self.calls.append(("cost", (copy.deepcopy(self.inner.cost),)))
         self.calls.append(("propose", (list(context), room)))
         return self.inner.propose(context, room)
 
@@ -100,8 +105,10 @@ class Recorder:
 
 
 def replay(drafter, calls, engine) -> dict[str, list[float]]:
-    """Per-step seconds of propose, observe and input building, replaying ``calls`` on ``drafter``."""
-    out = {"propose": [], "observe": [], "inputs": [], "nodes": [], "start": []}
+    """Per-step seconds of propose, observe and input building, replaying ``calls`` on ``drafter``; ``differ``
+    counts the trees that are not the ones the run verified (a faithful replay has none)."""
+    out = {"propose": [], "observe": [], "inputs": [], "nodes": [], "start": [], "differ": []}
+    proposed = None
     for kind, args in calls:
         if kind in ("start", "end"):  # a request's set-up and close: its prompt, and its answer's last tokens,
             t0 = time.perf_counter()  # written to the stream memory (at its prefill, after its last step)
@@ -109,15 +116,22 @@ def replay(drafter, calls, engine) -> dict[str, list[float]]:
             out["start"].append(time.perf_counter() - t0)
         elif kind == "prompt_rows":
             drafter.prompt_rows(*args)
+        elif kind == "cost":
+            drafter.cost = args[0]
         elif kind == "propose":
             t0 = time.perf_counter()
             tree = drafter.propose(*args)
             out["propose"].append(time.perf_counter() - t0)
             out["nodes"].append(len(tree))
+            proposed = tree.without(engine.adapter.image_token_id)  # as the engine verifies an opening
             t0 = time.perf_counter()
             engine.step_inputs(tree)
             out["inputs"].append(time.perf_counter() - t0)
         else:
+            ran = args[0]
+            if proposed is not None:
+                out["differ"].append((proposed.tokens, proposed.parents) != (ran.tokens, ran.parents))
+            proposed = None
             t0 = time.perf_counter()
             drafter.observe(*args)
             out["observe"].append(time.perf_counter() - t0)
@@ -152,13 +166,16 @@ def measure(model: str, inputs: list[Path], budget: str, max_new_tokens: int, li
     frozen, calls, session = record(model, inputs, budget, max_new_tokens, limit, method, costs)
     per_rep = [replay(copy.deepcopy(frozen), calls, session.engine) for _ in range(reps)]
     steps = len(per_rep[0]["propose"])
+    differ = sum(per_rep[0]["differ"])
+    if differ:
+        print(f"warning: {differ} of {steps} replayed trees differ from the run's", file=sys.stderr)
     ms = {part: 1000 * statistics.median(sum(r[part]) / steps for r in per_rep)
           for part in ("propose", "observe", "inputs")}
     starts = sum(kind == "start" for kind, _ in calls)
     ms["start_per_request"] = 1000 * statistics.median(sum(r["start"]) / starts for r in per_rep)
     return {"method": method, "budget": budget, "steps": steps, "nodes_per_step": statistics.mean(per_rep[0]["nodes"]),
             "ms_per_step": ms, "drafting_ms": ms["propose"] + ms["observe"], "threads": torch.get_num_threads(),
-            "costs": costs}
+            "costs": costs, "trees_differing": differ}
 
 
 def checkout(ref: str) -> Path:
@@ -214,12 +231,14 @@ def main() -> None:
                    "costs": args.costs,
                    "method": got[0]["method"], "steps": got[0]["steps"], "nodes_per_step": got[0]["nodes_per_step"],
                    "ms_per_step": ms, "drafting_ms": ms["propose"] + ms["observe"], "rounds": len(got)}
+            row["trees_differing"] = max(r.get("trees_differing", 0) for r in got)
             results.append(row)
             print(f"{side:6s} {row['method']:6s} budget {budget:4s}: {row['steps']} steps, {row['nodes_per_step']:.1f} "
                   f"nodes/step; propose {ms['propose']:.3f} + observe {ms['observe']:.3f} = drafting "
                   f"{row['drafting_ms']:.3f} ms/step; inputs (ids, positions, mask) {ms['inputs']:.3f} ms; "
                   f"start and end (the prompt, the answer's end into the memories) {ms['start_per_request']:.3f} "
-                  "ms/request", flush=True)
+                  "ms/request" + (f"; {row['trees_differing']} trees NOT the run's" if row["trees_differing"] else ""),
+                  flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_bytes(orjson.dumps({"model": args.model, "results": results}, option=orjson.OPT_INDENT_2))
