@@ -677,12 +677,13 @@ class SizeChooser:
 
     def place(self, chance: float) -> None:
         self._threshold = None
-        self.n += 1
-        self.expected += chance
+        n = self.n = self.n + 1
+        e = self.expected = self.expected + chance
         self.chances.append(chance)
-        value = self._value(self.expected, self.t[self.n])
+        seconds = self.t[n]
+        value = e / seconds if self.rate is None else e - self.rate * seconds  # ``_value``, inlined: every node
         if value > self.best:
-            self.size, self.best, self.best_expected = self.n, value, self.expected
+            self.size, self.best, self.best_expected = n, value, e
 
     def _value(self, expected: float, seconds: float) -> float:
         return expected / seconds if self.rate is None else expected - self.rate * seconds

@@ -158,7 +158,9 @@ class RecapDrafter(Drafter):
         self.opening_trust = Trust(low=OPENING_LOW)  # how the stream's openings have kept their promises
         # The coefficients a tree reads, fetched by ``propose`` (None: the raw guesses, as uncalibrated).
         self._row_ab = self._stream_ab = (None, None)
-        self._mapped = None
+        self._lanes = None  # the placed-node maps of a stream and a row candidate (``_placed_lanes``)
+        self._padded: tuple = (None, [])  # the placed coefficients, each lane's list with its top bucket repeated
+        self._memories: tuple = (None, None, None)  # order-3 and order-2 rows, the order-1 table (``propose``)
         self.own_request_state()
 
     def own_request_state(self) -> None:
@@ -481,15 +483,23 @@ class RecapDrafter(Drafter):
                         own = OWN if (last[ref] if ref >= 0 else tree.leaf_seq[~ref // SPAN]) in here else 0
                         streamed[t] = (((own + mb) * 15 + (rank if rank < 2 else 2) * 5 + b) * 2, p)
             else:  # inside a chain only one sequence holds: one continuation, every time
-                kids = tree.children(spos)
-                if kids and kids[0][0] not in banned:
-                    own = OWN if tree.source(spos) in here else 0
-                    streamed[kids[0][0]] = (((own + mb) * 15 + 4) * 2, 1.0)
+                follows = tree.chain_next(spos)
+                if follows is not None and follows[0] not in banned:
+                    own = OWN if follows[1] in here else 0
+                    streamed[follows[0]] = (((own + mb) * 15 + 4) * 2, 1.0)
         if not deep and self._skip is not None:
             self._skipped(streamed)
         raw: list[tuple[float, int, int, int]] = []
         total = 0.0
-        found = self.rows_for(key) if key else ()
+        found = []  # ``rows_for``, inlined: the memories ``propose`` fetched, most specific first
+        m3, m2, table = self._memories
+        n = len(key)
+        if n == 3 and m3 is not None and (row := m3.get(key)) is not None:
+            found.append((3, row))
+        if n >= 2 and m2 is not None and (row := m2.get(key[1:] if n == 3 else key)) is not None:
+            found.append((2, row))
+        if n and table is not None and 0 <= key[-1] < self.vocab_size and (row := table[key[-1]]) is not None:
+            found.append((1, row))
         if len(found) == 1:  # one row is its own mixture (``mix``, inlined)
             ids, probs = found[0][1]
         else:
@@ -521,19 +531,31 @@ class RecapDrafter(Drafter):
                 c = a[cell] + b[cell] * share if a is not None else share
                 total += c
                 raw.append((c, t, cell, -1))
-        mapped = self._mapped
-        out: list[Candidate] = []
-        for c, t, s_cell, r_cell in raw:
-            if total > 1.0:  # exclusive siblings
-                c /= total
-            if mapped is None:
-                out.append((c, t, s_cell, r_cell, c))
-                continue
-            lane = OPENING_LANE if self._opening else STREAM_LANE if s_cell >= 0 else ROW_LANE
-            a, b = mapped[lane][min(int(c * 10), 9) if c > 0 else 0]
-            out.append((c, t, s_cell, r_cell, a + b * c))
+        norm = total if total > 1.0 else 1.0  # exclusive siblings
+        lanes = self._lanes
+        if lanes is None:
+            out = [(c / norm, t, s_cell, r_cell, c / norm) for c, t, s_cell, r_cell in raw]
+        else:  # mapped as placed nodes of the lane turned out: a + b * c in the chance's tenth (0 <= c <= 1)
+            stream_lane, row_lane = lanes
+            out = []
+            for c, t, s_cell, r_cell in raw:
+                c /= norm
+                a, b = (stream_lane if s_cell >= 0 else row_lane)[int(c * 10)]
+                out.append((c, t, s_cell, r_cell, a + b * c))
         out.sort(reverse=True)
         return out
+
+    def _placed_lanes(self) -> tuple[list, list]:
+        """The placed-node maps (a, b) by tenth of a chance, for a stream candidate and a row candidate (an
+        opening's both in its own lane), each with its top tenth repeated so that a chance of exactly 1 reads it
+        as ``int(c * 10)``."""
+        mapped = self.placed.coefficients()
+        if self._padded[0] is not mapped:  # rebuilt since the last read
+            self._padded = (mapped, [lane + lane[-1:] for lane in mapped])
+        padded = self._padded[1]
+        if self._opening:
+            return padded[OPENING_LANE], padded[OPENING_LANE]
+        return padded[STREAM_LANE], padded[ROW_LANE]
 
     def _bound(self) -> float:
         """An upper bound on any candidate's placed chance: what a node waits at before its candidates are known."""
@@ -568,8 +590,11 @@ class RecapDrafter(Drafter):
         calibrated = self.calibrate
         self._row_ab = self.row_chances.coefficients() if calibrated else (None, None)
         self._stream_ab = self.stream_chances.coefficients() if calibrated else (None, None)
-        self._mapped = self.placed.coefficients() if calibrated else None
         self._opening = self.drafts_at_prefill and len(context) == self._prompt_length  # before the prompt runs
+        self._lanes = self._placed_lanes() if calibrated else None
+        use3, use2, use1 = self._uses
+        self._memories = (self.keyed[3].rows if use3 else None, self.keyed[2].rows if use2 else None,
+                          self.order1.rows if use1 else None)
         first = self._candidates(tail, spos, m, 0) if max_depth > 0 else []
         # Per node: [key, stream position, match length, depth, candidates, (lane, lane chance) if placed, its row
         # cell (-1: not from the rows)]
@@ -657,20 +682,23 @@ class RecapDrafter(Drafter):
         where = [0] * n
         for new, old in enumerate(order):
             where[old] = new
-        tree = Tree([tokens[i] for i in order], [-1] + [where[parents[i]] for i in order[1:]],
-                    [Source.ROOT] + [self._source(nodes[i]) for i in order[1:]])
-        self._nodes = [nodes[i] for i in order]
+        self._nodes = laid = [nodes[i] for i in order]
         self.chances = [chances[i] for i in order]
-        return tree
+        return Tree([tokens[i] for i in order], [-1] + [where[parents[i]] for i in order[1:]], self._sources(laid))
 
-    def _source(self, node: list) -> Source:
-        """Who proposed a node, for the statistics: the stream (this request's own text: SUFFIX) or the recycled
-        rows, by the most specific order that had a row there (what its chance was learned for)."""
-        lane, cell = node[5][0], node[6]
-        if lane == STREAM_LANE:
-            pos = node[1]
-            return Source.SUFFIX if pos is not None and self.stream.tree.source(pos) in self._here else Source.STREAM
-        return ORDER_SOURCE[cell // ROW_ORDER_CELLS + 1]
+    def _sources(self, nodes: list[list]) -> list[Source]:
+        """Who proposed each node, for the statistics: the stream (this request's own text: SUFFIX) or the
+        recycled rows, by the most specific order that had a row there (what its chance was learned for)."""
+        here, source = self._here, self.stream.tree.source
+        suffix, stream = Source.SUFFIX, Source.STREAM
+        out = [Source.ROOT]
+        for node in nodes[1:]:
+            if node[5][0] == STREAM_LANE:
+                pos = node[1]
+                out.append(suffix if pos is not None and source(pos) in here else stream)
+            else:
+                out.append(ORDER_SOURCE[node[6] // ROW_ORDER_CELLS + 1])
+        return out
 
 
 class Trust:

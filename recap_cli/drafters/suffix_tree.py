@@ -102,8 +102,13 @@ class SuffixTree:
     def _descend(self, sid: int, token: int, old: list[int], new: list[int], at: int) -> None:
         """``append``'s walk where children are ordered only when read: the counts alone (the loop every token
         of the stream memory pays, ``depth`` times)."""
-        count, kids, last = self.count, self.kids, self.last
-        for length in range(len(new) - 1, 0, -1):  # longest first; a suffix of length >= 1 is never the root
+        count, kids, last, materialize = self.count, self.kids, self.last, self._materialize
+        # The longest suffixes are usually new text, each in its own leaf, which grows by itself: copied at once.
+        top = len(new) - 1
+        while top and old[top - 1] < 0:
+            top -= 1
+        new[top + 1:] = old[top:len(new) - 1]
+        for length in range(top, 0, -1):  # longest first; a suffix of length >= 1 is never the root
             pos = old[length - 1]
             if pos < 0:  # its own leaf grows by itself
                 new[length] = pos
@@ -113,7 +118,7 @@ class SuffixTree:
                 new[length] = ~(self._new_leaf(pos, token, sid, at, length + 1) * SPAN)
                 continue
             if child < 0:
-                child = self._materialize(pos, token, ~child)
+                child = materialize(pos, token, ~child)
             count[child] += 1
             last[child] = sid
             new[length] = child
@@ -305,6 +310,17 @@ class SuffixTree:
         if k and at < len(seq) and self.leaf_depth[leaf] + k <= self.depth:
             return [(seq[at], 1)]
         return []
+
+    def chain_next(self, pos: int) -> tuple[int, int] | None:
+        """A point inside a chain (``pos`` < 0): its one continuation and the sequence that holds it (``children``
+        and ``source`` in one read, for a drafter's hot path); None where the chain ends."""
+        leaf, k = divmod(~pos, SPAN)
+        sid = self.leaf_seq[leaf]
+        at = self.leaf_pos[leaf] + k
+        seq = self.seqs[sid]
+        if k and at < len(seq) and self.leaf_depth[leaf] + k <= self.depth:
+            return seq[at], sid
+        return None
 
     def source(self, pos: int) -> int:
         """The sequence that most recently passed through ``pos``."""
