@@ -64,8 +64,9 @@ def record(code: Path, budget: str, out: Path, model: str, inputs: list[str]) ->
         elif kind in ("start", "prompt_rows") and args[1] is not None:
             raise SystemExit("prompt rows are not replayed here (recap:prompt_rows=on)")
         plain.append((kind, args))
-    if frozen.cost is not None:
-        vars(frozen.cost).pop("observe_host", None)  # host_time's frozen cost learns nothing: an instance function
+    for cost in [frozen.cost] + [args[0] for kind, args in plain if kind == "cost"]:
+        if cost is not None:
+            vars(cost).pop("observe_host", None)  # host_time's frozen cost learns nothing: an instance function
     out.write_bytes(pickle.dumps((frozen, plain)))
     out.with_suffix(".json").write_bytes(orjson.dumps([sum(k == "propose" for k, _ in plain),
                                                        sum(k == "start" for k, _ in plain)]))
@@ -81,7 +82,10 @@ def replay(code: Path, path: Path, run: bool) -> None:
     drafter = copy.deepcopy(frozen)
     if run:
         for kind, args in calls:
-            getattr(drafter, kind)(*args)
+            if kind == "cost":  # the cost model as the run's step found it (host_time.Recorder)
+                drafter.cost = args[0]
+            else:
+                getattr(drafter, kind)(*args)
 
 
 def instructions(code: Path, path: Path, run: bool) -> int:
