@@ -5,9 +5,10 @@ the tree mask), for trees of a given size with the memories of a real run.
     python benchmarks/host_time.py --budget 64,auto --before 9edef0e   # this tree against an older commit
     python benchmarks/host_time.py --budget auto --costs fixed --before 9edef0e   # same sizing on both sides
 
-With ``--before REF`` the same measurement runs on the drafter code of git commit REF and on this tree, each in
-its own process, alternating ``--rounds`` times, and the table gives both (medians over rounds): before and
-after from one run of the script.
+With ``--before REF`` the same measurement runs on the drafter code of git commit REF (imported beside this tree's
+as a package of its own) and on this tree, in this one process: each side records its own run, then the sides'
+replays take turns, ``--rounds`` x ``--reps`` each, so a machine that gets busier slows both alike; the table gives
+both (medians and the fastest replay), before and after from one run of the script.
 
 Runs ``recap`` over the demo bench sets once to fill its memories, recording every drafter call of the second
 half with the cost model as each step found it (the run's pace and step costs move with every step); then replays
@@ -28,27 +29,28 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
+import importlib
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import orjson
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, os.environ.get("RECAP_CODE", str(ROOT)))  # --before runs an older commit's recap_cli
-
-from recap_cli.batch import answer_with_tokens  # noqa: E402
-from recap_cli.models import freeze_loaded, load  # noqa: E402
-from recap_cli.session import Session  # noqa: E402
+sys.path.insert(0, os.environ.get("RECAP_CODE", str(ROOT)))  # host_instructions.py records an older commit's
 
 from acceptance import read_requests  # noqa: E402
 from recap_cli.decoding.cost import StepCost  # noqa: E402
+
+BEFORE = "recap_before"  # the package name an older commit's recap_cli is imported under, beside this tree's
 
 # The demo model's verification step on 2 idle CPU cores, fp32, by tree size (a chain tree per size, medians of
 # 7 steps): milliseconds for 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64 nodes; drafting 20 us per node.
@@ -57,9 +59,10 @@ FIXED_STEP_MS = (5.6, 6.8, 7.0, 7.5, 7.6, 7.6, 8.5, 8.6, 10.0, 11.0, 13.0, 15.0)
 FIXED_HOST_PER_NODE_S = 20e-6
 
 
-def fixed_costs() -> StepCost:
-    """A frozen cost model: no timing moves it, so the same calls size the same trees in any process."""
-    cost = StepCost(FIXED_SIZES, alpha=0.0)
+def fixed_costs(step_cost: type = StepCost) -> StepCost:
+    """A frozen cost model: no timing moves it, so the same calls size the same trees in any process
+    (``step_cost``: the class of the code under test)."""
+    cost = step_cost(FIXED_SIZES, alpha=0.0)
     cost.set([ms / 1000 for ms in FIXED_STEP_MS])
     cost.host_per_node = FIXED_HOST_PER_NODE_S
     cost.observe_host = _not_learned
@@ -138,44 +141,63 @@ def replay(drafter, calls, engine) -> dict[str, list[float]]:
     return out
 
 
+def package(name: str) -> SimpleNamespace:
+    """What a run needs from the package ``name``: this tree's recap_cli, or an older commit's (``import_before``)."""
+    models = importlib.import_module(f"{name}.models")
+    return SimpleNamespace(answer_with_tokens=importlib.import_module(f"{name}.batch").answer_with_tokens,
+                           load=models.load, freeze_loaded=getattr(models, "freeze_loaded", lambda: None),
+                           Session=importlib.import_module(f"{name}.session").Session,
+                           StepCost=importlib.import_module(f"{name}.decoding.cost").StepCost)
+
+
 def record(model: str, inputs: list[Path], budget: str, max_new_tokens: int, limit: int, method: str = "recap",
-           costs: str = "measured") -> tuple:
-    """Fill the memories over the first half of the requests and record the second half's drafter calls: the
-    drafter as the second half found it, the calls, the session."""
-    adapter = load(model, device="cpu", dtype="fp32")
-    freeze_loaded()  # as recap run does: no full collection walks the model mid-run
+           costs: str = "measured", code: str = "recap_cli") -> tuple:
+    """Fill the memories over the first half of the requests and record the second half's drafter calls, with
+    the package ``code``: the drafter as the second half found it, the calls, the session."""
+    run = package(code)
+    adapter = run.load(model, device="cpu", dtype="fp32")
+    run.freeze_loaded()  # as recap run does: no full collection walks the model mid-run
     requests = read_requests(inputs, limit)
     knobs = {} if method == "suffix" else {"budget": budget if budget == "auto" else int(budget)}
-    session = Session(adapter, method, **knobs)
+    session = run.Session(adapter, method, **knobs)
     if costs == "fixed":
-        session.engine.cost = fixed_costs()
+        session.engine.cost = fixed_costs(run.StepCost)
     half = len(requests) // 2
     for req in requests[:half]:  # fill the memories as a real run does
-        answer_with_tokens(session, req, model, max_new_tokens)
+        run.answer_with_tokens(session, req, model, max_new_tokens)
     frozen = copy.deepcopy(session.drafter)
     session.drafter = Recorder(session.drafter)
     for req in requests[half:]:
-        answer_with_tokens(session, req, model, max_new_tokens)
+        run.answer_with_tokens(session, req, model, max_new_tokens)
     return frozen, session.drafter.calls, session
 
 
 def measure(model: str, inputs: list[Path], budget: str, max_new_tokens: int, limit: int, reps: int,
-            method: str = "recap", costs: str = "measured") -> dict:
-    """Record a run's drafter calls (``record``), replay them ``reps`` times: median per-step milliseconds of
-    each part."""
-    frozen, calls, session = record(model, inputs, budget, max_new_tokens, limit, method, costs)
-    per_rep = [replay(copy.deepcopy(frozen), calls, session.engine) for _ in range(reps)]
-    steps = len(per_rep[0]["propose"])
-    differ = sum(per_rep[0]["differ"])
-    if differ:
-        print(f"warning: {differ} of {steps} replayed trees differ from the run's", file=sys.stderr)
-    ms = {part: 1000 * statistics.median(sum(r[part]) / steps for r in per_rep)
-          for part in ("propose", "observe", "inputs")}
-    starts = sum(kind == "start" for kind, _ in calls)
-    ms["start_per_request"] = 1000 * statistics.median(sum(r["start"]) / starts for r in per_rep)
-    return {"method": method, "budget": budget, "steps": steps, "nodes_per_step": statistics.mean(per_rep[0]["nodes"]),
-            "ms_per_step": ms, "drafting_ms": ms["propose"] + ms["observe"], "threads": torch.get_num_threads(),
-            "costs": costs, "trees_differing": differ}
+            sides: dict[str, str], method: str = "recap", costs: str = "measured") -> list[dict]:
+    """Record each side's run (``sides``: side -> package), then replay every side's calls ``reps`` times, the
+    sides taking turns in this one process (a busy machine slows both alike): per side, the median and the
+    fastest per-step milliseconds of each part."""
+    runs = {side: record(model, inputs, budget, max_new_tokens, limit, "recap" if side == "before" else method,
+                         costs, code) for side, code in sides.items()}
+    per_rep: dict[str, list[dict]] = {side: [] for side in sides}
+    for rep in range(reps):
+        for side in (list(sides) if rep % 2 == 0 else list(sides)[::-1]):
+            frozen, calls, session = runs[side]
+            per_rep[side].append(replay(copy.deepcopy(frozen), calls, session.engine))
+    rows = []
+    for side, reps_of in per_rep.items():
+        calls = runs[side][1]
+        steps, starts = len(reps_of[0]["propose"]), sum(kind == "start" for kind, _ in calls)
+        ms = {part: [1000 * sum(r[part]) / steps for r in reps_of] for part in ("propose", "observe", "inputs")}
+        ms["start_per_request"] = [1000 * sum(r["start"]) / starts for r in reps_of]
+        drafting = [a + b for a, b in zip(ms["propose"], ms["observe"])]
+        rows.append({"side": side, "method": "recap" if side == "before" else method, "budget": budget,
+                     "costs": costs, "steps": steps, "nodes_per_step": statistics.mean(reps_of[0]["nodes"]),
+                     "ms_per_step": {part: statistics.median(v) for part, v in ms.items()},
+                     "fastest_ms_per_step": {part: min(v) for part, v in ms.items()},
+                     "drafting_ms": statistics.median(drafting), "fastest_drafting_ms": min(drafting),
+                     "reps": reps, "trees_differing": sum(reps_of[0]["differ"]), "threads": torch.get_num_threads()})
+    return rows
 
 
 def checkout(ref: str) -> Path:
@@ -186,11 +208,17 @@ def checkout(ref: str) -> Path:
     return where
 
 
-def in_process(code: Path, argv: list[str]) -> dict:
-    """This script's --inner measurement with ``code`` as recap_cli, in a fresh process; its JSON."""
-    env = {**os.environ, "RECAP_CODE": str(code)}
-    out = subprocess.run([sys.executable, __file__, "--inner", *argv], env=env, check=True, capture_output=True)
-    return orjson.loads(out.stdout.splitlines()[-1])
+def import_before(ref: str) -> str:
+    """Commit ``ref``'s recap_cli made importable beside this tree's, as the package BEFORE. Its modules import
+    each other relatively; one that names recap_cli would run this tree's code on the before side."""
+    where = checkout(ref)
+    shutil.move(where / "recap_cli", where / BEFORE)
+    named = [p.name for p in (where / BEFORE).rglob("*.py")
+             if re.search(r"^\s*(from|import) recap_cli\b", p.read_text(), re.M)]
+    if named:
+        raise SystemExit(f"{ref}'s recap_cli imports itself by name ({', '.join(named)}): not measurable here")
+    sys.path.insert(0, str(where))
+    return BEFORE
 
 
 def main() -> None:
@@ -202,42 +230,33 @@ def main() -> None:
     ap.add_argument("--method", default="recap", help="recap, or suffix (its own sizes; no budget)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--limit", type=int, default=1000, help="requests per input file")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5, help="replays per side (per round)")
     ap.add_argument("--costs", choices=("measured", "fixed"), default="measured",
                     help="fixed: a frozen cost model, so trees at --budget auto are sized alike on both sides")
     ap.add_argument("--before", default=None, help="git commit whose recap_cli to measure beside this tree's")
-    ap.add_argument("--rounds", type=int, default=2, help="with --before: alternating processes per side")
-    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=2, help="with --before: replays per side = rounds x reps")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    common = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens), "--limit", str(args.limit),
-              "--reps", str(args.reps), "--costs", args.costs, "--inputs", *map(str, args.inputs)]
-    if args.inner:
-        print(orjson.dumps(measure(args.model, args.inputs, args.budget, args.max_new_tokens, args.limit, args.reps,
-                                   args.method, args.costs)).decode())
-        return
-    sides = {"after": ROOT} if args.before is None else {"before": checkout(args.before), "after": ROOT}
+    sides = {"after": "recap_cli"} if args.before is None else {"before": import_before(args.before),
+                                                                 "after": "recap_cli"}
+    reps = args.reps * (args.rounds if args.before else 1)
     results = []
     for budget in args.budget.split(","):
-        runs: dict[str, list[dict]] = {side: [] for side in sides}
-        for _ in range(args.rounds if args.before else 1):
-            for side, code in sides.items():
-                method = "recap" if side == "before" else args.method
-                runs[side].append(in_process(code, common + ["--budget", budget, "--method", method]))
-        for side, got in runs.items():
-            ms = {p: statistics.median(r["ms_per_step"].get(p, math.nan) for r in got)
-                  for p in ("propose", "observe", "inputs", "start_per_request")}
-            row = {"side": side, "ref": args.before if side == "before" else "this tree", "budget": budget,
-                   "costs": args.costs,
-                   "method": got[0]["method"], "steps": got[0]["steps"], "nodes_per_step": got[0]["nodes_per_step"],
-                   "ms_per_step": ms, "drafting_ms": ms["propose"] + ms["observe"], "rounds": len(got)}
-            row["trees_differing"] = max(r.get("trees_differing", 0) for r in got)
+        for row in measure(args.model, args.inputs, budget, args.max_new_tokens, args.limit, reps, sides,
+                           args.method, args.costs):
+            row["ref"] = args.before if row["side"] == "before" else "this tree"
             results.append(row)
-            print(f"{side:6s} {row['method']:6s} budget {budget:4s}: {row['steps']} steps, {row['nodes_per_step']:.1f} "
-                  f"nodes/step; propose {ms['propose']:.3f} + observe {ms['observe']:.3f} = drafting "
-                  f"{row['drafting_ms']:.3f} ms/step; inputs (ids, positions, mask) {ms['inputs']:.3f} ms; "
-                  f"start and end (the prompt, the answer's end into the memories) {ms['start_per_request']:.3f} "
-                  "ms/request" + (f"; {row['trees_differing']} trees NOT the run's" if row["trees_differing"] else ""),
+            ms, fast = row["ms_per_step"], row["fastest_ms_per_step"]
+            print(f"{row['side']:6s} {row['method']:6s} budget {budget:4s}: {row['steps']} steps, "
+                  f"{row['nodes_per_step']:.1f} nodes/step; propose {ms['propose']:.3f} + observe "
+                  f"{ms['observe']:.3f} = drafting {row['drafting_ms']:.3f} ms/step (fastest "
+                  f"{row['fastest_drafting_ms']:.3f}); inputs (ids, positions, mask) {ms['inputs']:.3f} ms; start "
+                  f"and end (the prompt, the answer's end into the memories) {ms['start_per_request']:.3f} ms/request"
+                  + (f"; {row['trees_differing']} trees NOT the run's" if row["trees_differing"] else ""), flush=True)
+        if len(sides) == 2:
+            before, after = results[-2], results[-1]
+            print(f"budget {budget:4s} after / before, drafting: {after['drafting_ms'] / before['drafting_ms']:.3f} "
+                  f"(median), {after['fastest_drafting_ms'] / before['fastest_drafting_ms']:.3f} (fastest)",
                   flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
