@@ -78,12 +78,13 @@ class Recorder:
         return gen
 
 
-def read_requests(inputs: list[Path], limit: int) -> list[Request]:
-    """The first ``limit`` requests of each file; bad lines are an error here (benchmarks need clean inputs)."""
+def read_requests(inputs: list[Path], limit: int, parse=parse_line) -> list[Request]:
+    """The first ``limit`` requests of each file; bad lines are an error here (benchmarks need clean inputs).
+    ``parse``: the line parser of the code under test (host_time.py runs an older commit's beside this one)."""
     requests = []
     for path in inputs:
         lines = [raw for raw in path.read_bytes().splitlines() if raw.strip()][:limit]
-        requests += [parse_line(raw, i + 1, path.parent) for i, raw in enumerate(lines)]
+        requests += [parse(raw, i + 1, path.parent) for i, raw in enumerate(lines)]
     bad = [r for r in requests if r.error]
     if bad:
         raise SystemExit(f"bad request: {bad[0].error}")

@@ -147,7 +147,8 @@ def package(name: str) -> SimpleNamespace:
     return SimpleNamespace(answer_with_tokens=importlib.import_module(f"{name}.batch").answer_with_tokens,
                            load=models.load, freeze_loaded=getattr(models, "freeze_loaded", lambda: None),
                            Session=importlib.import_module(f"{name}.session").Session,
-                           StepCost=importlib.import_module(f"{name}.decoding.cost").StepCost)
+                           StepCost=importlib.import_module(f"{name}.decoding.cost").StepCost,
+                           parse_line=importlib.import_module(f"{name}.records").parse_line)
 
 
 def record(model: str, inputs: list[Path], budget: str, max_new_tokens: int, limit: int, method: str = "recap",
@@ -157,7 +158,7 @@ def record(model: str, inputs: list[Path], budget: str, max_new_tokens: int, lim
     run = package(code)
     adapter = run.load(model, device="cpu", dtype="fp32")
     run.freeze_loaded()  # as recap run does: no full collection walks the model mid-run
-    requests = read_requests(inputs, limit)
+    requests = read_requests(inputs, limit, run.parse_line)  # the requests as that code reads them
     knobs = {} if method == "suffix" else {"budget": budget if budget == "auto" else int(budget)}
     session = run.Session(adapter, method, **knobs)
     if costs == "fixed":
