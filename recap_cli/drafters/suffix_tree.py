@@ -304,12 +304,8 @@ class SuffixTree:
         the first ``top`` are needed (``ranked``: more may come)."""
         if pos >= 0:
             return [(t, -c) for t, c in zip(*self.ranked(pos, top))]
-        leaf, k = divmod(~pos, SPAN)
-        at = self.leaf_pos[leaf] + k
-        seq = self.seqs[self.leaf_seq[leaf]]
-        if k and at < len(seq) and self.leaf_depth[leaf] + k <= self.depth:
-            return [(seq[at], 1)]
-        return []
+        follows = self.chain_next(pos)
+        return [(follows[0], 1)] if follows is not None else []
 
     def chain_next(self, pos: int) -> tuple[int, int] | None:
         """A point inside a chain (``pos`` < 0): its one continuation and the sequence that holds it (``children``
