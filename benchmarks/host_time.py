@@ -107,9 +107,12 @@ class Recorder:
         return self.inner.observe(tree, verified)
 
 
-def replay(drafter, calls, engine) -> dict[str, list[float]]:
+def replay(drafter, calls, engine, flush: torch.Tensor | None = None) -> dict[str, list[float]]:
     """Per-step seconds of propose, observe and input building, replaying ``calls`` on ``drafter``; ``differ``
-    counts the trees that are not the ones the run verified (a faithful replay has none)."""
+    counts the trees that are not the ones the run verified (a faithful replay has none). ``flush``: a buffer
+    written through, untimed, before each ``observe``, where a run's forward pass has just gone through the
+    model's weights and activations (the drafter's memories and code are no longer in the caches; ``propose``
+    follows ``observe`` with no forward pass between them)."""
     out = {"propose": [], "observe": [], "inputs": [], "nodes": [], "start": [], "differ": []}
     proposed = None
     for kind, args in calls:
@@ -131,6 +134,8 @@ def replay(drafter, calls, engine) -> dict[str, list[float]]:
             engine.step_inputs(tree)
             out["inputs"].append(time.perf_counter() - t0)
         else:
+            if flush is not None:
+                flush.add_(1.0)
             ran = args[0]
             if proposed is not None:
                 out["differ"].append((proposed.tokens, proposed.parents) != (ran.tokens, ran.parents))
@@ -174,17 +179,18 @@ def record(model: str, inputs: list[Path], budget: str, max_new_tokens: int, lim
 
 
 def measure(model: str, inputs: list[Path], budget: str, max_new_tokens: int, limit: int, reps: int,
-            sides: dict[str, str], method: str = "recap", costs: str = "measured") -> list[dict]:
+            sides: dict[str, str], method: str = "recap", costs: str = "measured", flush_mb: int = 0) -> list[dict]:
     """Record each side's run (``sides``: side -> package), then replay every side's calls ``reps`` times, the
     sides taking turns in this one process (a busy machine slows both alike): per side, the median and the
     fastest per-step milliseconds of each part."""
     runs = {side: record(model, inputs, budget, max_new_tokens, limit, "recap" if side == "before" else method,
                          costs, code) for side, code in sides.items()}
     per_rep: dict[str, list[dict]] = {side: [] for side in sides}
+    flush = torch.zeros(flush_mb << 18) if flush_mb else None  # float32: 2^18 of them a MiB
     for rep in range(reps):
         for side in (list(sides) if rep % 2 == 0 else list(sides)[::-1]):
             frozen, calls, session = runs[side]
-            per_rep[side].append(replay(copy.deepcopy(frozen), calls, session.engine))
+            per_rep[side].append(replay(copy.deepcopy(frozen), calls, session.engine, flush))
     rows = []
     for side, reps_of in per_rep.items():
         calls = runs[side][1]
@@ -197,7 +203,8 @@ def measure(model: str, inputs: list[Path], budget: str, max_new_tokens: int, li
                      "ms_per_step": {part: statistics.median(v) for part, v in ms.items()},
                      "fastest_ms_per_step": {part: min(v) for part, v in ms.items()},
                      "drafting_ms": statistics.median(drafting), "fastest_drafting_ms": min(drafting),
-                     "reps": reps, "trees_differing": sum(reps_of[0]["differ"]), "threads": torch.get_num_threads()})
+                     "reps": reps, "flush_mb": flush_mb, "trees_differing": sum(reps_of[0]["differ"]),
+                     "threads": torch.get_num_threads()})
     return rows
 
 
@@ -236,6 +243,8 @@ def main() -> None:
                     help="fixed: a frozen cost model, so trees at --budget auto are sized alike on both sides")
     ap.add_argument("--before", default=None, help="git commit whose recap_cli to measure beside this tree's")
     ap.add_argument("--rounds", type=int, default=2, help="with --before: replays per side = rounds x reps")
+    ap.add_argument("--flush", type=int, default=0, metavar="MB",
+                    help="write a buffer of MB MiB before each observe, as a forward pass sweeps the caches")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     sides = {"after": "recap_cli"} if args.before is None else {"before": import_before(args.before),
@@ -244,7 +253,7 @@ def main() -> None:
     results = []
     for budget in args.budget.split(","):
         for row in measure(args.model, args.inputs, budget, args.max_new_tokens, args.limit, reps, sides,
-                           args.method, args.costs):
+                           args.method, args.costs, args.flush):
             row["ref"] = args.before if row["side"] == "before" else "this tree"
             results.append(row)
             ms, fast = row["ms_per_step"], row["fastest_ms_per_step"]
