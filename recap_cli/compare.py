@@ -29,7 +29,7 @@ def _on_off(value: str) -> bool:
 KNOB_PARSERS: dict[str, Callable[[str], object]] = {
     "mixing": str, "budget": str, "depth": int, "width": int, "top_k": int, "stream_depth": int,
     "suffix": _on_off, "calibrate": _on_off, "paced": _on_off, "early": _on_off, "prompt_rows": _on_off,
-    "skip": _on_off,
+    "skip": _on_off, "trust_decay": float,
     "orders": lambda v: tuple(int(c) for c in v),
     "prefix": float,  # MB of prefix cache (0: reuse off), any method of recap's engines
 }

@@ -57,6 +57,7 @@ def test_method_specs():
     assert parse_method("recap:mixing=fixed:orders=12:suffix=off:budget=16") == (
         "recap", {"mixing": "fixed", "orders": (1, 2), "suffix": False, "budget": 16})
     assert parse_method("recap:calibrate=off") == ("recap", {"calibrate": False})
+    assert parse_method("recap:trust_decay=1") == ("recap", {"trust_decay": 1.0})
     assert parse_method("recap:prompt_rows=off:early=off") == ("recap", {"prompt_rows": False, "early": False})
     assert parse_method("hf-pld") == ("hf-pld", {})
     assert parse_method("tr:budget=auto") == ("tr", {"budget": "auto"})

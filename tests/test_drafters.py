@@ -8,7 +8,7 @@ import torch
 from recap_cli.decoding.cost import StepCost
 from recap_cli.drafters import PromptLookupDrafter, RecapDrafter, TokenRecyclingDrafter, make_drafter
 from recap_cli.drafters.memory import KeyedMemory, NgramIndex, TokenTable
-from recap_cli.drafters.recap import OPENING_LANE, SKIP_CONTEXT
+from recap_cli.drafters.recap import OPENING_LANE, SKIP_CONTEXT, Trust
 from recap_cli.drafters.tr import LEVEL_SIZES, build_template
 from recap_cli.decoding.tree import Rows, Source, Tree, Verified
 
@@ -310,21 +310,42 @@ def test_cost_cut_grows_where_chances_are_high():
     assert len(weak.propose([1, 2, 3], room=100)) == 1
 
 
-def test_a_request_whose_drafts_fail_sizes_smaller_trees():
+@pytest.mark.parametrize("decay", [None, 1.0])
+def test_a_request_whose_drafts_fail_sizes_smaller_trees(decay):
     """The learned chances are the run's; a request that keeps missing them (trust) grows less, and the next
-    request starts afresh."""
+    request starts afresh. Weighing every step alike (decay 1) the trust sinks with every failure; weighing recent
+    steps most (the default) it stays where those steps put it: trees that promise little cost little."""
     flat = {1: 1.0, 2: 1.3, 4: 1.3, 8: 1.3, 16: 1.4, 32: 1.6, 64: 2.0}
-    d = _seeded_chain_drafter(suffix=False, p=0.9, calibrate=False)
+    d = _seeded_chain_drafter(suffix=False, p=0.9, calibrate=False, **({} if decay is None else {"trust_decay": decay}))
     d.cost = costs(flat)
     fresh = len(d.propose([1, 2, 3], room=100))
     for _ in range(6):
         tree = d.propose([1, 2, 3], room=100)
         d.observe(tree, Verified(path=[0], bonus=50, argmax=[50] * len(tree), rows=rows_of(*[{}] * len(tree))))
         d.order1.rows = list(_seeded_chain_drafter(p=0.9).order1.rows)
-    assert d.trust.factor < 0.5 and len(d.propose([1, 2, 3], room=100)) < fresh
+    assert d.trust.factor < (0.5 if decay == 1.0 else 0.8) and len(d.propose([1, 2, 3], room=100)) < fresh
     d.start([1, 2, 3], None)
     d.order1.rows = list(_seeded_chain_drafter(p=0.9).order1.rows)
     assert d.trust.factor == 1.0 and len(d.propose([1, 2, 3], room=100)) == fresh
+
+
+def test_a_requests_trust_follows_its_recent_steps():
+    """An answer turns from free text (drafts that fail) to a repeated passage (drafts that hold): a request's trust
+    weighs its recent steps most, so it trusts its drafts again within a few steps; weighing every step alike
+    (``trust_decay=1``) it would stay low for as long as the failures had lasted."""
+    recent, alike = Trust(decay=0.7), Trust(decay=1.0)
+    for trust in (recent, alike):
+        for _ in range(10):
+            trust.observe(5.0, 0)
+    assert recent.factor == alike.factor == Trust.LOW
+    for trust in (recent, alike):
+        for _ in range(4):
+            trust.observe(5.0, 5)
+    assert recent.factor > 0.8 and alike.factor < 0.5
+    assert drafter().trust.decay == 0.7 and drafter(trust_decay=1.0).trust.decay == 1.0
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="trust_decay"):
+            drafter(trust_decay=bad)
 
 
 def test_a_stop_token_ends_its_branch():

@@ -34,9 +34,9 @@ emits are 1 + the sum of its nodes' path chances. A node's candidates are worked
 grow children (until then it waits at its path chance times an upper bound on any child's), so the leaves a tree
 ends with cost nothing. With ``budget="auto"`` (the default) the tree stops growing where no bigger tree can add
 more expected tokens than the run earns in the time it costs, and is cut to the best size (recap_cli/decoding/
-cost.py), down to the root alone: a plain greedy step where nothing is predictable enough. A request whose trees
-keep falling short of their chances scales them down for its own sizing (``Trust``); a drafted end-of-answer
-token is a leaf.
+cost.py), down to the root alone: a plain greedy step where nothing is predictable enough. A request whose recent
+trees fell short of their chances scales them down for its own sizing (``Trust``); a drafted end-of-answer token
+is a leaf.
 
 An answer's first tree, its *opening*, is drafted before its prompt runs (``early``), from what the memories
 already hold (how earlier answers went on from the same prompt ending), and verified in the prompt's own forward
@@ -108,6 +108,13 @@ MATCH_BUCKETS = tuple(match_bucket(m) for m in range(64))
 # The floor of the openings' trust, below a request's (Trust.LOW): a stream whose openings keep failing drafts
 # almost none (an opening is one bet a request on how other answers began).
 OPENING_LOW = 0.05
+# A request's trust weighs its steps by recency, each step's sums decaying by this much (``Trust``): an answer
+# turns from free text to a repeated list and back within a few steps. Chosen on runs sized by host_time.py's
+# frozen step costs (as benchmarks/calibration.py --costs fixed runs them), by the ms a token those costs put on
+# their trees, decay 1 / 0.95 / 0.9 / 0.8 / 0.7 / 0.5: SmolLM2 3.971 / 4.001 / 3.940 / 3.900 / 3.841 / 3.881,
+# the demo's sets 2.934 / 2.942 / 2.947 / 2.890 / 2.904 / 2.900, held-out scenes 2.863 / 2.820 / 2.801 / 2.837 /
+# 2.802 / 2.831.
+TRUST_DECAY = 0.7
 
 
 def _origin(found: list[tuple[int, Row]], token: int) -> Source:
@@ -123,11 +130,15 @@ class RecapDrafter(Drafter):
                  mixing: str = "confidence", weights: tuple[float, ...] = CONFIDENCE_WEIGHTS, suffix: bool = True,
                  stream_depth: int = 32, stream_requests: int = 1000, budget: int | str = "auto", depth: int = 24,
                  width: int = 2, top_k: int = 8, cap: int = 1 << 16, calibrate: bool = True, paced: bool = True,
-                 early: bool = True, prompt_rows: bool = False, skip: bool = True):
+                 early: bool = True, prompt_rows: bool = False, skip: bool = True,
+                 trust_decay: float = TRUST_DECAY):
         if mixing not in ("confidence", "fixed"):
             raise ValueError("mixing is 'confidence' or 'fixed'")
         if budget != "auto" and not (isinstance(budget, int) and budget >= 0):
             raise ValueError("budget is 'auto' or a number of draft nodes >= 0")
+        if not 0.0 < trust_decay <= 1.0:
+            raise ValueError("trust_decay is a number in (0, 1]: 1 weighs every step of a request alike")
+        self.trust_decay = trust_decay
         self.orders = tuple(sorted(set(orders), reverse=True))  # most specific first
         if not self.orders or not set(self.orders) <= {1, 2, 3}:
             raise ValueError("orders is a non-empty subset of 1, 2, 3")
@@ -169,7 +180,7 @@ class RecapDrafter(Drafter):
         self._mixed: dict[tuple[int, ...], tuple[list[Row], Mixed]] = {}  # mixtures of several rows
         self.index = Cursor()  # where this request's text goes in the stream memory
         self.chances = [1.0]  # the last tree's path chances, node by node (what calibration checks read)
-        self.trust = Trust()  # how this request's drafts have fared against their chances
+        self.trust = Trust(decay=self.trust_decay)  # how this request's recent drafts fared against their chances
         # The last tree's nodes, in tree order: [key, stream position, match length, depth, candidates, placed, row
         # cell], ``placed`` being (lane, lane chance) for the placed-node calibration (None at the root).
         self._nodes: list[list] = []
@@ -189,7 +200,7 @@ class RecapDrafter(Drafter):
         for memory in self.keyed.values():
             memory.clear()
         self._mixed.clear()
-        self.trust = Trust()
+        self.trust = Trust(decay=self.trust_decay)
         self._prompt_length = len(prompt)
         self.stream_chances.renew()
         self.row_chances.renew()
@@ -706,7 +717,10 @@ class Trust:
     its steps so far, within [LOW, HIGH]. The learned chances are the run's averages; one request (a rewrite of a
     passage whose phrases keep matching and never continue as they did, an answer that copies its prompt) can sit
     far from them, and a tree sized on the averages would keep paying for nodes that do not come. Sizing scales
-    a tree's chances by it; the tree's shape and order do not change.
+    a tree's chances by it; the tree's shape and order do not change. A request's own weighs its steps by
+    recency (``decay``: each step, the sums so far count that much): an answer that turns from free text to a
+    repeated list (SmolLM2's prompts) is trusted again within a few steps, not after as many as it failed, and
+    steps that draft nothing let it forget too: a request cannot lock itself out of drafting.
 
     The stream's openings keep one of their own, across requests and in the memory file, with a lower floor: an
     opening is one tree a request, and a stream whose openings keep failing (prompts that share only their chat
@@ -715,13 +729,13 @@ class Trust:
 
     LOW, HIGH, K = 0.25, 1.5, 4.0
 
-    def __init__(self, low: float = LOW) -> None:
-        self.low = low
+    def __init__(self, low: float = LOW, decay: float = 1.0) -> None:
+        self.low, self.decay = low, decay
         self.expected = self.emitted = 0.0
 
     def observe(self, expected: float, emitted: int) -> None:
-        self.expected += expected
-        self.emitted += emitted
+        self.expected = self.decay * self.expected + expected
+        self.emitted = self.decay * self.emitted + emitted
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"expected": torch.tensor(self.expected, dtype=torch.float64),
