@@ -115,6 +115,13 @@ OPENING_LOW = 0.05
 # the demo's sets 2.934 / 2.942 / 2.947 / 2.890 / 2.904 / 2.900, held-out scenes 2.863 / 2.820 / 2.801 / 2.837 /
 # 2.802 / 2.831.
 TRUST_DECAY = 0.7
+# The deepest a tree grows: the stream memory's depth, so a copied passage (a prompt's steps as a list) can be
+# drafted a whole memory's length at a step; the cost model decides how deep it pays. Runs sized and priced by
+# frozen step costs (SmolLM2's by tree size for its prompts, host_time.py's for the demo's), the mean of per-input
+# speedups at depth 24 / 28 / 32 / 48 / 64: SmolLM2 2.465 / 2.539 / 2.571 / 2.558 / 2.556, the second text set
+# 1.649 / 1.635 / 1.635 / 1.634 / 1.634, the demo's sets 2.427 / 2.426 / 2.426 / 2.426 / 2.490, held-out scenes
+# 2.384 / 2.416 / 2.416 / 2.438 / 2.375: a copy (text-02) takes 2 steps instead of 3.
+DEPTH = 32
 
 
 def _origin(found: list[tuple[int, Row]], token: int) -> Source:
@@ -128,7 +135,7 @@ class RecapDrafter(Drafter):
     def __init__(self, vocab_size: int, banned: Iterable[int] = (), stops: Iterable[int] = (),
                  orders: Iterable[int] = (1, 2, 3),
                  mixing: str = "confidence", weights: tuple[float, ...] = CONFIDENCE_WEIGHTS, suffix: bool = True,
-                 stream_depth: int = 32, stream_requests: int = 1000, budget: int | str = "auto", depth: int = 24,
+                 stream_depth: int = 32, stream_requests: int = 1000, budget: int | str = "auto", depth: int = DEPTH,
                  width: int = 2, top_k: int = 8, cap: int = 1 << 16, calibrate: bool = True, paced: bool = True,
                  early: bool = True, prompt_rows: bool = False, skip: bool = True,
                  trust_decay: float = TRUST_DECAY):
