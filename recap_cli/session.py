@@ -25,9 +25,9 @@ from .decoding.sampling import GREEDY, Picker, Settings
 from .prefix_cache import PrefixCache, auto_megabytes
 from .records import as_parts, first_line, user_message
 
-MEMORY_FORMAT, MEMORY_VERSION = "recap-memory", 7  # 3: RECAP keeps the stream memory; 4: its chances per
+MEMORY_FORMAT, MEMORY_VERSION = "recap-memory", 8  # 3: RECAP keeps the stream memory; 4: its chances per
 # class; 5: the placed calibration has a lane for openings; 6: how the stream's openings kept their promises;
-# 7: the stream's chances have a class for skips
+# 7: the stream's chances have a class for skips; 8: and a match-length bucket for 20 tokens and more
 log = logging.getLogger(__name__)
 
 

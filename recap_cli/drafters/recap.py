@@ -58,7 +58,7 @@ import torch
 
 from ..decoding.tree import Rows, Source, Tree, Verified
 from .base import Drafter
-from .calibration import CellChances, PlacedCalibration, match_bucket
+from .calibration import MATCHES, CellChances, PlacedCalibration, match_bucket
 from .memory import KeyedMemory, Row, TokenTable, check_table
 from .stream import Cursor, StreamMemory
 from .suffix_tree import SPAN
@@ -78,12 +78,13 @@ MIX = -1  # a heap entry that works out a node's candidates (its chance is a bou
 # Evidence classes (cells) and their parents, as flat indices.
 # Stream: where the continuation last occurred, this request's own text or another request's, or a skip (a
 # continuation past a token the model put where earlier text had another: ``_skipped``) (3) x match-length bucket
-# (7) x rank 0 / 1 / 2+ (3) x share bucket (5; edges 0.2, 0.5, 0.8, 0.95, inlined in ``_candidates``) x rows agree
-# (2); parent: kind x match bucket x rank > 0 x agree. A long match can be the chat template every request shares;
+# (``BUCKETS``: 8) x rank 0 / 1 / 2+ (3) x share bucket (5; edges 0.2, 0.5, 0.8, 0.95, inlined in ``_candidates``)
+# x rows agree (2); parent: kind x match bucket x rank > 0 x agree. A long match can be the chat template every request shares;
 # own text (a copied passage, a repeated phrase) continues differently from what other requests' answers did.
-STREAM_CELLS = [(((kind * 7 + m) * 2 + (r > 0)) * 2 + agree) for kind in range(3) for m in range(7)
+BUCKETS = len(MATCHES)
+STREAM_CELLS = [(((kind * BUCKETS + m) * 2 + (r > 0)) * 2 + agree) for kind in range(3) for m in range(BUCKETS)
                 for r in range(3) for s in range(5) for agree in range(2)]
-OWN, SKIP = 7, 14  # a stream cell's kind, as its offset in match buckets (other requests' text: 0)
+OWN, SKIP = BUCKETS, 2 * BUCKETS  # a stream cell's kind, as its offset in match buckets (other requests' text: 0)
 SKIPPED = SKIP * 15 * 2  # stream cells from here on are skips
 # A skip needs the text before the new token to match this much: a frame (the prompt's end and an answer's first
 # words, a repeated sentence) whose slot earlier text filled otherwise. After a short match a new token is just
