@@ -79,8 +79,9 @@ MIX = -1  # a heap entry that works out a node's candidates (its chance is a bou
 # Stream: where the continuation last occurred, this request's own text or another request's, or a skip (a
 # continuation past a token the model put where earlier text had another: ``_skipped``) (3) x match-length bucket
 # (``BUCKETS``: 8) x rank 0 / 1 / 2+ (3) x share bucket (5; edges 0.2, 0.5, 0.8, 0.95, inlined in ``_candidates``)
-# x rows agree (2); parent: kind x match bucket x rank > 0 x agree. A long match can be the chat template every request shares;
-# own text (a copied passage, a repeated phrase) continues differently from what other requests' answers did.
+# x rows agree (2); parent: kind x match bucket x rank > 0 x agree. A long match can be the chat template every
+# request shares; own text (a copied passage, a repeated phrase) continues differently from what other requests'
+# answers did.
 BUCKETS = len(MATCHES)
 STREAM_CELLS = [(((kind * BUCKETS + m) * 2 + (r > 0)) * 2 + agree) for kind in range(3) for m in range(BUCKETS)
                 for r in range(3) for s in range(5) for agree in range(2)]
