@@ -11,6 +11,12 @@ depend on the clock, but at ``--budget auto`` the trees' sizes do (the run's ste
 them by host_time.py's frozen costs, the same in every run, for a before/after that differs only by the code.
 ``--before REF`` runs the same on commit REF's recap_cli in a second process, for a before/after table.
 
+With ``--costs fixed`` the run is also a deterministic stand-in for a timed one: each request is priced at the
+frozen costs (a step at its tree's size, plus 20 µs of drafting a node; a prefill at two one-token steps plus what
+its tree's nodes add), against `ar` priced alike (a prefill, then one one-token step a token), and the report
+gives ms a token over all requests and the mean of per-request speedups. ``--step-ms`` freezes another model's
+step costs, by tree size (SmolLM2-135M on 2 CPU cores: ``1,2,4,8,16,32,64:84,82,95,109,124,158,248``).
+
 Sizing does not take the chances as they are: a request's trust (recap_cli/drafters/recap.py ``Trust``) scales
 them by how its trees have kept their promises so far. Besides the chances, the report gives what sizing believed
 (path chances times that trust: "sized") against what was accepted, in all and per depth, where a few points too
@@ -20,10 +26,12 @@ hopeful at each level of a path compound.
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import subprocess
 import sys
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 import orjson
@@ -41,8 +49,42 @@ def bucket(p: float) -> str:
     return "0.9-1.0"
 
 
+def step_ms(spec: str | None) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+    """``SIZES:MS`` (comma-separated, as many of each) as (sizes, milliseconds); None for None."""
+    if spec is None:
+        return None
+    try:
+        sizes, ms = spec.split(":")
+        out = tuple(int(n) for n in sizes.split(",")), tuple(float(t) for t in ms.split(","))
+    except ValueError:
+        out = ((), ())
+    if not out[0] or len(out[0]) != len(out[1]) or out[0][0] != 1 or list(out[0]) != sorted(set(out[0])):
+        raise SystemExit("--step-ms is SIZES:MS, increasing sizes from 1 and one time for each")
+    return out
+
+
+def price(n: int, sizes: Sequence[int], ms: Sequence[float]) -> float:
+    """Milliseconds of a step of ``n`` nodes: the frozen costs, linear between sizes, flat past the largest."""
+    i = bisect.bisect_left(sizes, n)
+    if i == 0:
+        return ms[0]
+    if i == len(sizes):
+        return ms[-1]
+    return ms[i - 1] + (ms[i] - ms[i - 1]) * (n - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+
+
+def priced(forwards: list[tuple[bool, int]], turns: int, new_tokens: int, sizes: Sequence[int],
+           ms: Sequence[float], host_ms: float) -> tuple[float, float]:
+    """(recap's, ar's) milliseconds for one request: ``forwards`` are its prefills (True) and steps with their
+    trees' sizes; a prefill is two one-token steps, plus what its tree's nodes add; ``host_ms``: drafting a node."""
+    one = ms[0]
+    spent = sum(price(n, sizes, ms) + (one if prefill else 0.0) + host_ms * n for prefill, n in forwards)
+    spent += 2 * one * (turns - sum(prefill for prefill, _ in forwards))  # prefills no tree rode on
+    return spent, turns * 2 * one + (new_tokens - turns) * one
+
+
 def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, budget: str,
-            costs: str = "measured") -> dict:
+            costs: str = "measured", frozen: tuple[tuple[int, ...], tuple[float, ...]] | None = None) -> dict:
     import recap_cli.drafters.recap as recap_module
     from recap_cli.batch import answer_with_tokens
     from recap_cli.decoding.tree import Source
@@ -55,10 +97,13 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
     adapter = load(model, device="cpu", dtype="fp32")
     knobs = {} if budget == "auto" else {"budget": int(budget)}
     session = Session(adapter, "recap", **knobs)
-    if costs == "fixed":  # sized alike in any process: the frozen step costs of host_time.py
-        from host_time import fixed_costs
+    if costs != "fixed":  # priced only where sized at frozen costs
+        frozen = None
+    else:  # sized alike in any process: the frozen step costs of host_time.py (or ``frozen``'s)
+        from host_time import FIXED_HOST_PER_NODE_S, FIXED_SIZES, FIXED_STEP_MS, fixed_costs
 
-        session.engine.cost = fixed_costs()
+        frozen = frozen or (FIXED_SIZES, FIXED_STEP_MS)
+        session.engine.cost = fixed_costs(sizes=frozen[0], step_ms=frozen[1])
     drafter = session.drafter
     captured: dict[str, list[float]] = {}
     if not hasattr(drafter, "chances"):  # an older drafter: its layout sees each node's chance
@@ -77,9 +122,11 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
     tally: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0])  # tried, predicted, accepted
     paths: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
     depths: dict[int, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0])  # nodes, predicted, sized, accepted
-    verify = session.engine.verify
+    verify, engine = session.engine.verify, session.engine
+    forwards: list[tuple[bool, int]] = []  # this request's prefills (True) and steps, by tree size
 
     def graded(tree):
+        forwards.append((False, len(tree)))
         verified = verify(tree)
         chances = getattr(drafter, "chances", None) or captured.get("chances") or [1.0]
         if len(chances) == len(tree):
@@ -108,11 +155,18 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
         return verified
 
     session.engine.verify = graded
+    if hasattr(engine, "prefill_tree"):  # every prefill, the tree riding on it (prefill_from is called from it)
+        engine.prefill_tree = logged_prefill(engine.prefill_tree, forwards)
     steps = nodes = emitted = 0
+    spent: list[tuple[float, float, int]] = []  # per request: recap's ms, ar's, tokens
     for path in inputs:
         session.reset_memory()
         for req in read_requests([path], limit):
+            forwards.clear()
             record, _ = answer_with_tokens(session, req, model, max_new_tokens)
+            if frozen is not None:
+                spent.append((*priced(forwards, record["turns"], record["new_tokens"], *frozen,
+                                      1000 * FIXED_HOST_PER_NODE_S), record["new_tokens"]))
             steps += record["steps"]
             nodes += record["mean_nodes"] * record["steps"]
             emitted += record["new_tokens"] - record["turns"]
@@ -131,7 +185,21 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
             "sized_drafted_per_step": sum(z for _, _, z, _ in depths.values()) / max(steps, 1),
             "predicted_drafted_per_step": expected / max(steps, 1),
             "observed_drafted_per_step": sum(a for _, _, a in paths.values()) / max(steps, 1),
-            "path_nodes": path_total}
+            "path_nodes": path_total, **(_prices(spent) if spent else {})}
+
+
+def _prices(spent: list[tuple[float, float, int]]) -> dict:
+    return {"ms_per_token": sum(ms for ms, _, _ in spent) / sum(n for _, _, n in spent),
+            "mean_speedup": sum(ar / ms for ms, ar, _ in spent) / len(spent),
+            "per_request_speedup": [ar / ms for ms, ar, _ in spent]}
+
+
+def logged_prefill(prefill, forwards: list[tuple[bool, int]]):
+    """``Engine.prefill_tree`` that first logs the size of the tree riding on it (its second argument)."""
+    def run(*args, **kwargs):
+        forwards.append((True, len(kwargs["tree"] if "tree" in kwargs else args[1])))
+        return prefill(*args, **kwargs)
+    return run
 
 
 def show(label: str, out: dict) -> None:
@@ -139,6 +207,9 @@ def show(label: str, out: dict) -> None:
           f"nodes; drafted tokens per step predicted {out['predicted_drafted_per_step']:.3f}, observed "
           f"{out['observed_drafted_per_step']:.3f}; mean |predicted - observed| (conditional) "
           f"{out['weighted_gap']:.3f}")
+    if "ms_per_token" in out:
+        print(f"priced at the frozen costs: {out['ms_per_token']:.3f} ms a token, mean of per-request speedups over "
+              f"`ar` {out['mean_speedup']:.3f}")
     print(f"{'source':8s} {'chance':8s} {'tested':>7s} {'predicted':>9s} {'observed':>9s}")
     for r in out["conditional"]:
         print(f"{r['source']:8s} {r['bucket']:8s} {r['tested']:7d} {r['predicted']:9.3f} {r['observed']:9.3f}")
@@ -162,13 +233,18 @@ def main() -> None:
     ap.add_argument("--costs", choices=("measured", "fixed"), default="measured",
                     help="fixed: the frozen step costs of host_time.py, so trees at --budget auto are sized alike "
                          "in every run (measured: this machine's, as a run learns them)")
+    ap.add_argument("--step-ms", default=None, help="with --costs fixed: another model's step costs, SIZES:MS "
+                    "(milliseconds by tree size; default: the demo model's, host_time.py's)")
     ap.add_argument("--before", default=None, help="git commit whose recap_cli to measure too")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    step_ms(args.step_ms)  # a malformed one fails here, before any run
+    if args.step_ms and args.costs != "fixed":
+        ap.error("--step-ms freezes the step costs: it goes with --costs fixed")
     if args.inner:
         print(orjson.dumps(measure(args.model, args.inputs, args.limit, args.max_new_tokens, args.budget,
-                                   args.costs)).decode())
+                                   args.costs, step_ms(args.step_ms))).decode())
         return
     report = {}
     sides = {"after": ROOT}
@@ -180,7 +256,7 @@ def main() -> None:
     for side, code in sides.items():
         cmd = [sys.executable, __file__, "--inner", "--model", args.model, "--limit", str(args.limit),
                "--max-new-tokens", str(args.max_new_tokens), "--budget", args.budget, "--costs", args.costs,
-               "--inputs", *map(str, args.inputs)]
+               "--inputs", *map(str, args.inputs), *(["--step-ms", args.step_ms] if args.step_ms else [])]
         out = subprocess.run(cmd, env={**os.environ, "RECAP_CODE": str(code)}, check=True, capture_output=True)
         report[side] = orjson.loads(out.stdout.splitlines()[-1])
         show(f"{side} ({args.before if side == 'before' else 'this tree'})", report[side])

@@ -59,11 +59,12 @@ FIXED_STEP_MS = (5.6, 6.8, 7.0, 7.5, 7.6, 7.6, 8.5, 8.6, 10.0, 11.0, 13.0, 15.0)
 FIXED_HOST_PER_NODE_S = 20e-6
 
 
-def fixed_costs(step_cost: type = StepCost) -> StepCost:
+def fixed_costs(step_cost: type = StepCost, sizes: tuple[int, ...] = FIXED_SIZES,
+                step_ms: tuple[float, ...] = FIXED_STEP_MS) -> StepCost:
     """A frozen cost model: no timing moves it, so the same calls size the same trees in any process
-    (``step_cost``: the class of the code under test)."""
-    cost = step_cost(FIXED_SIZES, alpha=0.0)
-    cost.set([ms / 1000 for ms in FIXED_STEP_MS])
+    (``step_cost``: the class of the code under test; ``sizes``, ``step_ms``: another model's step costs)."""
+    cost = step_cost(sizes, alpha=0.0)
+    cost.set([ms / 1000 for ms in step_ms])
     cost.host_per_node = FIXED_HOST_PER_NODE_S
     cost.observe_host = _not_learned
     return cost
