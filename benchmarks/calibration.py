@@ -26,12 +26,10 @@ hopeful at each level of a path compound.
 from __future__ import annotations
 
 import argparse
-import bisect
 import os
 import subprocess
 import sys
 from collections import defaultdict
-from collections.abc import Sequence
 from pathlib import Path
 
 import orjson
@@ -63,22 +61,12 @@ def step_ms(spec: str | None) -> tuple[tuple[int, ...], tuple[float, ...]] | Non
     return out
 
 
-def price(n: int, sizes: Sequence[int], ms: Sequence[float]) -> float:
-    """Milliseconds of a step of ``n`` nodes: the frozen costs, linear between sizes, flat past the largest."""
-    i = bisect.bisect_left(sizes, n)
-    if i == 0:
-        return ms[0]
-    if i == len(sizes):
-        return ms[-1]
-    return ms[i - 1] + (ms[i] - ms[i - 1]) * (n - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
-
-
-def priced(forwards: list[tuple[bool, int]], turns: int, new_tokens: int, sizes: Sequence[int],
-           ms: Sequence[float], host_ms: float) -> tuple[float, float]:
-    """(recap's, ar's) milliseconds for one request: ``forwards`` are its prefills (True) and steps with their
-    trees' sizes; a prefill is two one-token steps, plus what its tree's nodes add; ``host_ms``: drafting a node."""
-    one = ms[0]
-    spent = sum(price(n, sizes, ms) + (one if prefill else 0.0) + host_ms * n for prefill, n in forwards)
+def priced(forwards: list[tuple[bool, int]], turns: int, new_tokens: int, cost) -> tuple[float, float]:
+    """(recap's, ar's) milliseconds for one request, at the frozen cost model that sized its trees (its forward
+    pass by tree size, linear between timed sizes, and its drafting per node): ``forwards`` are its prefills
+    (True) and steps with their trees' sizes; a prefill is two one-token steps, plus what its tree's nodes add."""
+    one = 1000 * cost(1)
+    spent = sum(1000 * (cost(n) + cost.host_per_node * n) + (one if prefill else 0.0) for prefill, n in forwards)
     spent += 2 * one * (turns - sum(prefill for prefill, _ in forwards))  # prefills no tree rode on
     return spent, turns * 2 * one + (new_tokens - turns) * one
 
@@ -97,13 +85,10 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
     adapter = load(model, device="cpu", dtype="fp32")
     knobs = {} if budget == "auto" else {"budget": int(budget)}
     session = Session(adapter, "recap", **knobs)
-    if costs != "fixed":  # priced only where sized at frozen costs
-        frozen = None
-    else:  # sized alike in any process: the frozen step costs of host_time.py (or ``frozen``'s)
-        from host_time import FIXED_HOST_PER_NODE_S, FIXED_SIZES, FIXED_STEP_MS, fixed_costs
+    if costs == "fixed":  # sized alike in any process: the frozen step costs of host_time.py (or ``frozen``'s)
+        from host_time import fixed_costs
 
-        frozen = frozen or (FIXED_SIZES, FIXED_STEP_MS)
-        session.engine.cost = fixed_costs(sizes=frozen[0], step_ms=frozen[1])
+        session.engine.cost = fixed_costs(**({"sizes": frozen[0], "step_ms": frozen[1]} if frozen else {}))
     drafter = session.drafter
     captured: dict[str, list[float]] = {}
     if not hasattr(drafter, "chances"):  # an older drafter: its layout sees each node's chance
@@ -164,9 +149,9 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
         for req in read_requests([path], limit):
             forwards.clear()
             record, _ = answer_with_tokens(session, req, model, max_new_tokens)
-            if frozen is not None:
-                spent.append((*priced(forwards, record["turns"], record["new_tokens"], *frozen,
-                                      1000 * FIXED_HOST_PER_NODE_S), record["new_tokens"]))
+            if costs == "fixed":  # priced only where sized at frozen costs
+                spent.append((*priced(forwards, record["turns"], record["new_tokens"], session.engine.cost),
+                               record["new_tokens"]))
             steps += record["steps"]
             nodes += record["mean_nodes"] * record["steps"]
             emitted += record["new_tokens"] - record["turns"]
@@ -239,12 +224,12 @@ def main() -> None:
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    step_ms(args.step_ms)  # a malformed one fails here, before any run
+    frozen = step_ms(args.step_ms)  # a malformed one fails here, before any run
     if args.step_ms and args.costs != "fixed":
         ap.error("--step-ms freezes the step costs: it goes with --costs fixed")
     if args.inner:
         print(orjson.dumps(measure(args.model, args.inputs, args.limit, args.max_new_tokens, args.budget,
-                                   args.costs, step_ms(args.step_ms))).decode())
+                                   args.costs, frozen)).decode())
         return
     report = {}
     sides = {"after": ROOT}
