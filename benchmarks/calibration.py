@@ -16,6 +16,8 @@ frozen costs (a step at its tree's size, plus 20 µs of drafting a node; a prefi
 its tree's nodes add), against `ar` priced alike (a prefill, then one one-token step a token), and the report
 gives ms a token over all requests and the mean of per-request speedups. ``--step-ms`` freezes another model's
 step costs, by tree size (SmolLM2-135M on 2 CPU cores: ``1,2,4,8,16,32,64:84,82,95,109,124,158,248``).
+``--methods recap,suffix,pld`` prices the other methods' runs alike (each in a process of its own, its drafting
+at the same 20 µs a node) and tabulates recap's mean speedup over each: the issue's ratios, without a clock.
 
 Sizing does not take the chances as they are: a request's trust (recap_cli/drafters/recap.py ``Trust``) scales
 them by how its trees have kept their promises so far. Besides the chances, the report gives what sizing believed
@@ -72,9 +74,11 @@ def priced(forwards: list[tuple[bool, int]], turns: int, new_tokens: int, cost) 
 
 
 def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, budget: str,
-            costs: str = "measured", frozen: tuple[tuple[int, ...], tuple[float, ...]] | None = None) -> dict:
+            costs: str = "measured", frozen: tuple[tuple[int, ...], tuple[float, ...]] | None = None,
+            method: str = "recap") -> dict:
     import recap_cli.drafters.recap as recap_module
     from recap_cli.batch import answer_with_tokens
+    from recap_cli.compare import parse_method
     from recap_cli.decoding.tree import Source
     from recap_cli.models import load
     from recap_cli.session import Session
@@ -83,15 +87,17 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
     from acceptance import read_requests
 
     adapter = load(model, device="cpu", dtype="fp32")
-    knobs = {} if budget == "auto" else {"budget": int(budget)}
-    session = Session(adapter, "recap", **knobs)
+    name, knobs = parse_method(method)  # another method (``--methods``): as recap compare reads it
+    if name == "recap" and budget != "auto":
+        knobs["budget"] = int(budget)
+    session = Session(adapter, name, **knobs)
     if costs == "fixed":  # sized alike in any process: the frozen step costs of host_time.py (or ``frozen``'s)
         from host_time import fixed_costs
 
         session.engine.cost = fixed_costs(**({"sizes": frozen[0], "step_ms": frozen[1]} if frozen else {}))
     drafter = session.drafter
     captured: dict[str, list[float]] = {}
-    if not hasattr(drafter, "chances"):  # an older drafter: its layout sees each node's chance
+    if name == "recap" and not hasattr(drafter, "chances"):  # an older drafter: its layout sees node chances
         layout = recap_module._layout
 
         def logged(nodes):
@@ -188,13 +194,16 @@ def logged_prefill(prefill, forwards: list[tuple[bool, int]]):
 
 
 def show(label: str, out: dict) -> None:
+    graded = bool(out["conditional"])  # False: a method without recap's chances, its steps and price alone
     print(f"== {label}: {out['steps']} steps, {out['tokens_per_step']:.3f} tokens/step at {out['nodes_per_step']:.1f} "
-          f"nodes; drafted tokens per step predicted {out['predicted_drafted_per_step']:.3f}, observed "
-          f"{out['observed_drafted_per_step']:.3f}; mean |predicted - observed| (conditional) "
-          f"{out['weighted_gap']:.3f}")
+          "nodes" + (f"; drafted tokens per step predicted {out['predicted_drafted_per_step']:.3f}, observed "
+                     f"{out['observed_drafted_per_step']:.3f}; mean |predicted - observed| (conditional) "
+                     f"{out['weighted_gap']:.3f}" if graded else ""))
     if "ms_per_token" in out:
         print(f"priced at the frozen costs: {out['ms_per_token']:.3f} ms a token, mean of per-request speedups over "
               f"`ar` {out['mean_speedup']:.3f}")
+    if not graded:
+        return
     print(f"{'source':8s} {'chance':8s} {'tested':>7s} {'predicted':>9s} {'observed':>9s}")
     for r in out["conditional"]:
         print(f"{r['source']:8s} {r['bucket']:8s} {r['tested']:7d} {r['predicted']:9.3f} {r['observed']:9.3f}")
@@ -221,30 +230,44 @@ def main() -> None:
     ap.add_argument("--step-ms", default=None, help="with --costs fixed: another model's step costs, SIZES:MS "
                     "(milliseconds by tree size; default: the demo model's, host_time.py's)")
     ap.add_argument("--before", default=None, help="git commit whose recap_cli to measure too")
+    ap.add_argument("--methods", default="recap", help="with --costs fixed: other methods priced alike beside recap "
+                    "(comma-separated, e.g. recap,suffix,pld: the goal's ratios on the proxy); chances are recap's")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     frozen = step_ms(args.step_ms)  # a malformed one fails here, before any run
     if args.step_ms and args.costs != "fixed":
         ap.error("--step-ms freezes the step costs: it goes with --costs fixed")
+    methods = args.methods.split(",")
+    if methods != ["recap"] and args.costs != "fixed":
+        ap.error("--methods prices methods at frozen step costs: it goes with --costs fixed")
     if args.inner:
         print(orjson.dumps(measure(args.model, args.inputs, args.limit, args.max_new_tokens, args.budget,
-                                   args.costs, frozen)).decode())
+                                   args.costs, frozen, methods[0])).decode())
         return
     report = {}
-    sides = {"after": ROOT}
+    sides = {"after": (ROOT, "recap")}
     if args.before is not None:
         sys.path.insert(0, str(ROOT / "benchmarks"))
         from host_time import checkout
 
-        sides = {"before": checkout(args.before), "after": ROOT}
-    for side, code in sides.items():
+        sides = {"before": (checkout(args.before), "recap"), "after": (ROOT, "recap")}
+    sides.update({method: (ROOT, method) for method in methods if method != "recap"})  # this tree's, priced alike
+    for side, (code, method) in sides.items():
         cmd = [sys.executable, __file__, "--inner", "--model", args.model, "--limit", str(args.limit),
                "--max-new-tokens", str(args.max_new_tokens), "--budget", args.budget, "--costs", args.costs,
-               "--inputs", *map(str, args.inputs), *(["--step-ms", args.step_ms] if args.step_ms else [])]
+               "--methods", method, "--inputs", *map(str, args.inputs),
+               *(["--step-ms", args.step_ms] if args.step_ms else [])]
         out = subprocess.run(cmd, env={**os.environ, "RECAP_CODE": str(code)}, check=True, capture_output=True)
         report[side] = orjson.loads(out.stdout.splitlines()[-1])
-        show(f"{side} ({args.before if side == 'before' else 'this tree'})", report[side])
+        show(f"{side} ({args.before if side == 'before' else 'this tree'})" if method == "recap" else method,
+             report[side])
+    if len(sides) > 1 and "ms_per_token" in report["after"]:
+        w = max(map(len, report))
+        print(f"{'side':{w}s} {'ms a token':>10s} {'mean speedup':>12s} {'recap / it (mean)':>17s}")
+        for side, out in report.items():
+            print(f"{side:{w}s} {out['ms_per_token']:10.3f} {out['mean_speedup']:12.3f} "
+                  f"{report['after']['mean_speedup'] / out['mean_speedup']:17.3f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_bytes(orjson.dumps({"model": args.model, "inputs": [str(p) for p in args.inputs],
