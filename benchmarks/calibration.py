@@ -78,7 +78,6 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
             method: str = "recap") -> dict:
     import recap_cli.drafters.recap as recap_module
     from recap_cli.batch import answer_with_tokens
-    from recap_cli.compare import parse_method
     from recap_cli.decoding.tree import Source
     from recap_cli.models import load
     from recap_cli.session import Session
@@ -87,7 +86,7 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
     from acceptance import read_requests
 
     adapter = load(model, device="cpu", dtype="fp32")
-    name, knobs = parse_method(method)  # another method (``--methods``): as recap compare reads it
+    name, knobs = ("recap", {}) if method == "recap" else parse_spec(method)  # an older commit's: recap alone
     if name == "recap" and budget != "auto":
         knobs["budget"] = int(budget)
     session = Session(adapter, name, **knobs)
@@ -185,6 +184,16 @@ def _prices(spent: list[tuple[float, float, int]]) -> dict:
             "per_request_speedup": [ar / ms for ms, ar, _ in spent]}
 
 
+def parse_spec(method: str) -> tuple[str, dict]:
+    """A method as ``recap compare`` reads it (``tr:budget=auto``), for a Session: drafters only."""
+    from recap_cli.compare import HF_METHODS, parse_method
+
+    name, knobs = parse_method(method)
+    if name in HF_METHODS:
+        raise ValueError(f"'{method}' decodes with generate(), not a drafter: the proxy prices drafters' trees")
+    return name, knobs
+
+
 def logged_prefill(prefill, forwards: list[tuple[bool, int]]):
     """``Engine.prefill_tree`` that first logs the size of the tree riding on it (its second argument)."""
     def run(*args, **kwargs):
@@ -241,6 +250,12 @@ def main() -> None:
     methods = args.methods.split(",")
     if methods != ["recap"] and args.costs != "fixed":
         ap.error("--methods prices methods at frozen step costs: it goes with --costs fixed")
+    try:
+        for method in methods:
+            if method != "recap":
+                parse_spec(method)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.inner:
         print(orjson.dumps(measure(args.model, args.inputs, args.limit, args.max_new_tokens, args.budget,
                                    args.costs, frozen, methods[0])).decode())
