@@ -87,7 +87,7 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
 
     adapter = load(model, device="cpu", dtype="fp32")
     name, knobs = ("recap", {}) if method == "recap" else parse_spec(method)  # an older commit's: recap alone
-    if name == "recap" and budget != "auto":
+    if name == "recap" and budget != "auto" and "budget" not in knobs:  # a spec's own budget holds
         knobs["budget"] = int(budget)
     session = Session(adapter, name, **knobs)
     if costs == "fixed":  # sized alike in any process: the frozen step costs of host_time.py (or ``frozen``'s)
