@@ -64,7 +64,7 @@ def step_ms(spec: str | None) -> tuple[tuple[int, ...], tuple[float, ...]] | Non
 
 
 def priced(forwards: list[tuple[bool, int]], turns: int, new_tokens: int, cost) -> tuple[float, float]:
-    """(recap's, ar's) milliseconds for one request, at the frozen cost model that sized its trees (its forward
+    """(the method's, ar's) milliseconds for one request, at the frozen cost model that sized its trees (its forward
     pass by tree size, linear between timed sizes, and its drafting per node): ``forwards`` are its prefills
     (True) and steps with their trees' sizes; a prefill is two one-token steps, plus what its tree's nodes add."""
     one = 1000 * cost(1)
@@ -148,7 +148,7 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
     if hasattr(engine, "prefill_tree"):  # every prefill, the tree riding on it (prefill_from is called from it)
         engine.prefill_tree = logged_prefill(engine.prefill_tree, forwards)
     steps = nodes = emitted = 0
-    spent: list[tuple[float, float, int]] = []  # per request: recap's ms, ar's, tokens
+    spent: list[tuple[float, float, int]] = []  # per request: the method's ms, ar's, tokens
     for path in inputs:
         session.reset_memory()
         for req in read_requests([path], limit):
