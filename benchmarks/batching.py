@@ -21,7 +21,8 @@ auto``, its default; ``--prefix-cache 0``: none, as this script ran before).
 ``--costs h200`` sizes every tree with the step costs projected for Qwen2.5-VL-7B on an H200 instead of this
 machine's (eager steps measured on an H200 at 7B shapes, frozen) and reports projected decoding throughput: emitted
 tokens over the modelled step times plus this machine's drafting time (prefill left out). Acceptance is a
-property of the drafts, not of the clock, so tokens per step are what that GPU would see.
+property of the drafts, not of the clock, so tokens per step are what that GPU would see. On a GPU itself,
+``--device cuda --dtype bf16`` measures it instead (benchmarks/gpu_session.sh).
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,8,16")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, ... (a GPU's step costs are its own)")
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--costs", choices=("measured", "h200"), default="measured")
@@ -124,7 +126,7 @@ def main() -> None:
     if args.fresh and args.costs == "h200":
         ap.error("--fresh times a run's own start-up; --costs h200 replaces it with projected costs")
     torch.set_num_threads(torch.get_num_threads())
-    adapter = load(locate(args.model, offline=True), device="cpu", dtype=args.dtype)
+    adapter = load(locate(args.model, offline=True), device=args.device, dtype=args.dtype)
     freeze_loaded()  # as recap run does: no full collection walks the model mid-run
     reqs = requests(args.inputs, args.limit)
     methods, batches = args.methods.split(","), [int(b) for b in args.batches.split(",")]

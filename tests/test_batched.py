@@ -8,6 +8,7 @@ fp32 models benchmarks/batching.py reports the match rate instead.)
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -80,6 +81,25 @@ def test_every_method_at_every_batch_size_equals_batch_one(get_adapter, arch, tm
                     assert nodes > 3, (method, n)
                 if method == "recap" and costs == "flat":  # openings verified by the joint prefills
                     assert any(r["prefill_tokens"] > 1 for r, _ in out), n
+
+
+def test_batched_forwards_run_without_cudnn_attention(get_adapter, tmp_path, monkeypatch):
+    """Joint prefills (fresh, and over reused prefixes) and steps each run inside compat.attention_kernels
+    (cuDNN's attention planned every step anew on an H200: tests/test_engine.py)."""
+    real, callers = compat.attention_kernels, []
+
+    def kernels(device):
+        callers.append((sys._getframe(1).f_code.co_name, device))
+        return real(device)
+
+    monkeypatch.setattr(compat, "attention_kernels", kernels)
+    adapter = get_adapter("qwen")
+    reqs = stream("qwen", tmp_path)
+    want = [tokens for _, tokens in run(Session(adapter, "ar"), reqs)]
+    callers.clear()  # batch 1's (tests/test_engine.py)
+    assert [tokens for _, tokens in run(Session(adapter, "recap", batch=3), reqs)] == want
+    assert {name for name, _ in callers} == {"_prefill", "verify"}
+    assert {device for _, device in callers} == {adapter.device}
 
 
 @pytest.mark.parametrize("arch", ["qwen", "llava", "text"])

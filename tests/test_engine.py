@@ -129,6 +129,29 @@ def test_good_trees_take_fewer_steps(get_adapter):
     assert steps[0.95] * 3 < steps[0.0]
 
 
+def test_every_forward_runs_without_cudnn_attention(get_adapter, monkeypatch):
+    """On an H200, cuDNN's attention built a plan for each decoding step's new shape (steps of 3 ms to 0.8 s,
+    compat.attention_kernels). The prefill with its tree and every step run inside the kernels' context; on
+    CUDA it leaves cuDNN out and puts the setting back after, and on a CPU it changes nothing."""
+    real, devices = compat.attention_kernels, []
+    monkeypatch.setattr(compat, "attention_kernels", lambda device: (devices.append(device), real(device))[1])
+    adapter = get_adapter("qwen")
+    ref = reference(adapter, "qwen", 0, 1)
+    msgs, imgs = request("qwen", QUESTIONS[0], 1)
+    drafter = OracleDrafter(ref, 0.6, 8, seed=0, vocab=adapter.vocab_size, early=True)
+    gen = generate(Engine(adapter), adapter.build(msgs, imgs), drafter, NEW_TOKENS)
+    assert gen.tokens == ref and gen.prefill_tokens > 1
+    assert devices == [adapter.device] * (gen.steps + 1)
+    cuda = torch.backends.cuda
+    before = cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled()
+    with real(torch.device("cuda")):
+        assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled()) == (
+            False, True, True)
+    with real(torch.device("cpu")):
+        assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled()) == before
+    assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled()) == before
+
+
 @pytest.mark.parametrize("early", [False, True])
 def test_max_new_tokens_and_eos_end_like_generate(get_adapter, early):
     """Also when the first tree rides on the prefill (``early``): its path is cut there as a step's is."""

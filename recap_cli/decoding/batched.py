@@ -182,9 +182,10 @@ class BatchEngine:
         mask = self.adapter.layer_masks(additive(seen, self.dtype)[:, None], pos_t, w)
         # Per row: its chain's rows (if asked), then the root (the chain's last) and the tree's nodes.
         needed = [list(range(0 if want_rows else c - 1, c - 1 + len(tree))) for c, tree in zip(chains, trees)]
-        out = self.model(input_ids=ids_t, position_ids=pos_t, attention_mask=mask, use_cache=True,
-                         logits_to_keep=torch.tensor(sorted(set().union(*needed)), device=dev),
-                         **{self._cache_kw: cache})
+        with compat.attention_kernels(dev):
+            out = self.model(input_ids=ids_t, position_ids=pos_t, attention_mask=mask, use_cache=True,
+                             logits_to_keep=torch.tensor(sorted(set().union(*needed)), device=dev),
+                             **{self._cache_kw: cache})
         logits = self._kept(out.logits, needed)
         positions = [list(range(n, n + c)) if want_rows else None for n, c in zip(lengths, chains)]
         results = self._verdicts(logits, trees, [len(x) for x in needed], positions, pickers)
@@ -220,9 +221,10 @@ class BatchEngine:
         needed = [self._needed(p, want_rows) + [p.length - 1 + i for i in range(1, len(t))]
                   for p, t in zip(prompts, trees)]
         cache = self.adapter.new_cache()
-        out = self.model(**inputs, use_cache=True, logits_to_keep=torch.tensor(sorted(set().union(*needed)),
-                                                                               device=self.device),
-                         **{self._cache_kw: cache})
+        with compat.attention_kernels(self.device):
+            out = self.model(**inputs, use_cache=True, logits_to_keep=torch.tensor(sorted(set().union(*needed)),
+                                                                                   device=self.device),
+                             **{self._cache_kw: cache})
         logits = self._kept(out.logits, needed)
         positions = [x[:len(x) - len(t) + 1] if want_rows else None for x, t in zip(needed, trees)]
         results = self._verdicts(logits, trees, [len(x) for x in needed], positions, pickers)
@@ -315,8 +317,9 @@ class BatchEngine:
         sizes = [len(t) for t in trees]
         ids, pos, mask = self.step_inputs(trees)
         b, t = ids.shape
-        out = self._forward(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
-                            **{self._cache_kw: self.cache})
+        with compat.attention_kernels(self.device):
+            out = self._forward(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                                **{self._cache_kw: self.cache})
         logits = out.logits.reshape(b * t, -1)
         batch_rows = self._batch_rows()
         if batch_rows != list(range(b)) or any(n < t for n in sizes):  # padding's logits never leave the device

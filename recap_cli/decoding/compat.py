@@ -3,16 +3,31 @@
 Checked on 5.17 and 5.24: 5.24 renamed the forward kwarg ``past_key_values`` to ``cache`` (the old name warns);
 ``DynamicCache.crop`` takes a negative count since 5.17 (a positive length is an error in 5.24), so recap cuts
 layers itself; every 5.x cache holds per-layer ``keys``/``values`` tensors of shape (batch, kv_heads, length,
-head_dim), and static layers keep their own write counter ``cumulative_length``.
+head_dim), and static layers keep their own write counter ``cumulative_length``. One difference is torch's, not
+transformers': which attention kernels a forward pass on CUDA may use (``attention_kernels``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
+
+# Every kernel of scaled-dot-product attention but cuDNN's (see ``attention_kernels``).
+_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager:
+    """Where a forward pass runs on CUDA: attention without cuDNN's kernel, which torch picks first on a Hopper
+    GPU. It builds an execution plan for each new shape, and decoding makes a new one every step (the keys grow
+    by the tokens it accepts). On an H200 (torch 2.11, the demo model in bf16) steps then took 3 ms to 0.8 s:
+    `ar` ran at 118 tokens/s and recap at 0.69x `ar`; without it, steps took 3.5-6 ms, `ar` 263 tokens/s and
+    recap 1.64x (docs/benchmarks.md). Elsewhere nothing changes."""
+    return sdpa_kernel(_KERNELS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:

@@ -118,8 +118,9 @@ class Engine:
         if self.static:  # the mask spans the cache's capacity (a static prefill is never one of the step shapes)
             mask = self.adapter.prefill_mask(mask, prompt)
         ids, pos, inputs = self._with_tree(prompt, tree)
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, logits_to_keep=keep,
-                         **{self._cache_kw: self.cache}, **inputs)
+        with compat.attention_kernels(self.device):
+            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                             logits_to_keep=keep, **{self._cache_kw: self.cache}, **inputs)
         positions = keep.tolist() if want_rows else None
         return self._prefilled(prompt, tree, out.logits[0], positions, None, picker)
 
@@ -196,8 +197,9 @@ class Engine:
         depths = torch.tensor(tree.depths()[1:], dtype=torch.long, device=self.device) + (total - 1)
         pos = torch.cat([torch.arange(n, total, device=self.device), depths])[None] + self.rope_delta
         mask = self.adapter.layer_masks(self._chain_tree_mask(total - n, tree.parents), pos, n)
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
-                         logits_to_keep=0 if want_rows else extra + 1, **{self._cache_kw: self.cache})
+        with compat.attention_kernels(self.device):
+            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                             logits_to_keep=0 if want_rows else extra + 1, **{self._cache_kw: self.cache})
         self.hit, self.prompt_rows = n, None
         return self._prefilled(prompt, tree, out.logits[0], list(range(n, total + extra)) if want_rows else None,
                                rows, picker)
@@ -235,8 +237,9 @@ class Engine:
         t0 = time.perf_counter()
         n = len(tree)
         ids, pos, mask = self.step_inputs(tree)
-        out = self._step(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
-                         **{self._cache_kw: self.cache})
+        with compat.attention_kernels(self.device):
+            out = self._step(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                             **{self._cache_kw: self.cache})
         if picker is None:
             argmax, rows = greedy_and_rows(out.logits[0, :n], self.top_k)
         else:
