@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from recap_cli.decoding import compat
 from recap_cli.drafters import Drafter
-from recap_cli.decoding.engine import Engine, accept, generate
+from recap_cli.decoding.engine import Engine, accept, ancestors, generate
 from recap_cli.decoding.tree import Tree
 from recap_cli.prefix_cache import PrefixCache
 
@@ -179,6 +181,23 @@ def test_a_tree_without_a_token_drops_its_nodes_and_those_under_them():
     cut = tree.without(7)  # node 2 (and node 4 under it) and node 5 go
     assert (cut.tokens, cut.parents, cut.sources) == ([9, 1, 2], [-1, 0, 1], [0, 1, 3])
     assert Tree.root(7).without(7).tokens == [7]  # the root is committed text, never dropped
+
+
+def test_ancestors_open_each_node_to_itself_and_its_ancestors_only():
+    """The mask's tree block (engine.ancestors, bitmasks unpacked) against a walk up each node's parents, on random
+    trees of 1-130 nodes (past one 64-bit word), with static padding (parent -1) inside and padding rows after."""
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 130)
+        parents = [-1] + [-1 if rng.random() < 0.05 else rng.randrange(i) for i in range(1, n)]
+        width = n + rng.randint(0, 5)
+        want = torch.eye(width, dtype=torch.bool)
+        for i in range(n):
+            j = parents[i]
+            while j >= 0:
+                want[i, j] = True
+                j = parents[j]
+        assert torch.equal(ancestors(parents, width), want), (n, width)
 
 
 def test_accept_walks_the_greedy_path():

@@ -30,7 +30,7 @@ from ..options import DEFAULT_BATCH, default_batch  # noqa: F401 - re-exported (
 from ..prefix_cache import Hit, PrefixCache, common_prefix
 from . import compat
 from .cost import UNKNOWN, BatchCost, OpeningCost, RowShare, batch_width, draining_width
-from .engine import (Generation, accept, additive, chain_tree_seen, commit, greedy_and_rows, join_rows, text_positions,
+from .engine import (Generation, accept, additive, ancestors, chain_tree_seen, commit, greedy_and_rows, join_rows, text_positions,
                      tree_prompt)
 from .sampling import Picker, choose
 from .tree import Rows, Tree, Verified
@@ -352,10 +352,8 @@ class BatchEngine:
 
         Row r's node i sees row r's committed columns (< length_r), its tree ancestors and itself."""
         b, t, w = len(trees), max(len(tr) for tr in trees), self.width
-        ids, depths, rows, cols = [], [], [], []
-        for r, tree in enumerate(trees):
-            ids.append(tree.tokens + [tree.tokens[0]] * (t - len(tree)))
-            depths.append(padded_tree_cells(tree, t, r * t, w, rows, cols))
+        ids = [tree.tokens + [tree.tokens[0]] * (t - len(tree)) for tree in trees]
+        depths = [tree.depths() + [0] * (t - len(tree)) for tree in trees]
         base = torch.tensor([[s.length + s.rope_delta] for s in self.slots], device=self.device)
         pos = torch.tensor(depths, device=self.device) + base
         ids_t = torch.tensor(ids, device=self.device)
@@ -367,8 +365,8 @@ class BatchEngine:
         mask = torch.full((b * t, w + t), torch.finfo(self.dtype).min, dtype=self.dtype, device=dev)
         committed = torch.arange(w, device=dev)[None, :] < lengths.repeat_interleave(t)[:, None]
         mask[:, :w].masked_fill_(committed, 0.0)
-        mask[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = 0.0
         mask = mask.view(b, 1, t, w + t)
+        mask[:, 0, :, w:].masked_fill_(padded_ancestors(trees, t).to(dev), 0.0)
         return ids_t, pos, self.adapter.layer_masks(mask, pos, w)
 
     def _keep(self, paths: list[list[int]]) -> None:
@@ -411,20 +409,10 @@ class BatchEngine:
         return time.perf_counter() - t0
 
 
-def padded_tree_cells(tree: Tree, width: int, row: int, column: int, rows: list[int], cols: list[int]) -> list[int]:
-    """Append the mask cells of one tree padded to ``width`` nodes, written at columns ``column``..: node i
-    (mask row ``row + i``) sees its ancestors and itself, a padding node only itself. Returns the padded depths."""
-    depth, lines = [0] * width, []
-    for i, parent in enumerate(tree.parents):
-        if parent >= 0:
-            depth[i] = depth[parent] + 1
-        line = (lines[parent] if parent >= 0 else []) + [column + i]
-        lines.append(line)
-        rows.extend([row + i] * len(line))
-        cols.extend(line)
-    rows.extend(row + i for i in range(len(tree), width))
-    cols.extend(column + i for i in range(len(tree), width))
-    return depth
+def padded_ancestors(trees: list[Tree], width: int) -> torch.Tensor:
+    """(len(trees), width, width) booleans: each tree's ``ancestors``, padded to ``width`` nodes (a padding node
+    sees only itself)."""
+    return torch.stack([ancestors(tree.parents, width) for tree in trees])
 
 
 # A joint prefill pads every prompt to the group's longest: a row pays at most PAD_FACTOR times its own length

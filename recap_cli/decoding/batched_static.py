@@ -17,7 +17,7 @@ import torch
 
 from ..adapters import Adapter, Prompt
 from . import compat
-from .batched import BatchEngine, Slot, padded_tree_cells
+from .batched import BatchEngine, Slot, padded_ancestors
 from .cost import BatchCost
 from .engine import BUCKETS, bucket
 from .tree import Tree
@@ -92,17 +92,16 @@ class StaticBatchEngine(BatchEngine):
         n, p, dev = self.max_batch, self.top, self.device
         ids, depths = [[0] * t for _ in range(n)], [[0] * t for _ in range(n)]
         base = [0] * n
-        rows, cols = [], []
+        slots = [Tree(tokens=[], parents=[])] * n  # a free slot's nodes are padding only
         for tree, slot, state in zip(trees, self.place, self.slots):
             ids[slot] = tree.tokens + [tree.tokens[0]] * (t - len(tree))
-            depths[slot] = padded_tree_cells(tree, t, slot * t, p, rows, cols)
+            depths[slot] = tree.depths() + [0] * (t - len(tree))
             base[slot] = state.length + state.rope_delta
-        for slot in set(range(n)) - set(self.place):  # free slots: padding nodes only
-            padded_tree_cells(Tree(tokens=[], parents=[]), t, slot * t, p, rows, cols)
+            slots[slot] = tree
         pos = torch.tensor(depths, device=dev) + torch.tensor(base, device=dev)[:, None]
         mask = torch.full((n * t, self.capacity), torch.finfo(self.dtype).min, dtype=self.dtype, device=dev)
         mask[:, :p].masked_fill_(self.valid[:, :p].repeat_interleave(t, 0), 0.0)
-        mask[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = 0.0
+        mask.view(n, t, self.capacity)[:, :, p:p + t].masked_fill_(padded_ancestors(slots, t).to(dev), 0.0)
         return torch.tensor(ids, device=dev), pos, mask.view(n, 1, t, self.capacity)
 
     def _keep(self, paths: list[list[int]]) -> None:
