@@ -53,7 +53,8 @@ def requests(paths: list[Path], limit: int | None) -> list:
 
 
 # Projected eager step on an H200 at the Qwen2.5-VL-7B shape: launch-bound, 21-26 ms for 1 to 128 tokens
-# (measured on an H200); beyond, compute at ~2 x 7.6e9 FLOP per token and ~700 TFLOP/s (projected).
+# (measured on an H200; this project's own lease, docs/benchmarks.md: `ar` 22.7 ms a token, a one-row batched
+# step 18.5 ms); beyond, compute at ~2 x 7.6e9 FLOP per token and ~700 TFLOP/s (projected).
 H200_EAGER_S, H200_PER_TOKEN_S = 23e-3, 2 * 7.6e9 / 700e12
 
 

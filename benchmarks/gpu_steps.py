@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from recap_cli.adapters import Adapter, Prompt  # noqa: E402
 from recap_cli.decoding.batched import BatchEngine  # noqa: E402
 from recap_cli.drafters import Drafter, RecapDrafter  # noqa: E402
+from recap_cli.decoding import compat  # noqa: E402
 from recap_cli.decoding.engine import BUCKETS, Engine, generate  # noqa: E402
 from recap_cli.decoding.tree import Tree  # noqa: E402
 
@@ -70,6 +71,18 @@ def timed(fn, reps: int, device: torch.device) -> float:
             torch.cuda.synchronize()
         samples.append(1000 * (time.perf_counter() - t0))
     return statistics.median(samples)
+
+
+def warm(engine: Engine, prompt: Prompt, seconds: float) -> None:
+    """Run one-node steps for ``seconds`` before anything is timed. On an H200 the first timings of a run came out
+    ~1.5x the later ones (a one-node step 31.6 ms first, 18.5-22.7 ms later in the same process): the GPU warming
+    up, which is not what a step costs."""
+    engine.prefill(prompt, reserve=64)
+    start, t0 = engine.length, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        engine.verify(Tree.root(1))
+        compat.keep_rows(engine.cache, start, None, start)
+        engine.length = start
 
 
 def step_costs(engine: Engine, prompt: Prompt, sizes: list[int], reps: int) -> dict[int, float]:
@@ -134,6 +147,7 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=0, help="prompt length (default: 2200 vicuna, 477 qwen)")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens for the ms/token measurements")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warm-s", type=float, default=3.0, help="seconds of untimed steps before the first timing")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the script, not speed")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--batches", default="1,4,8,16,32", help="rows of the batched step grid (max = its batch)")
@@ -151,6 +165,7 @@ def main() -> None:
         prompt = Prompt(input_ids=torch.randint(3, 1000, (1, prefix), generator=g).to(device))
         row: dict = {"prefix": prefix}
         eager = Engine(adapter)
+        warm(eager, prompt, args.warm_s)
         row["eager_step_ms"] = step_costs(eager, prompt, sizes, args.reps)
         eager.measure_costs(prompt)  # what recap's cost model measures at start-up, for comparison
         row["eager_cost_model_ms"] = dict(zip(eager.cost.sizes, [1000 * s for s in eager.cost.seconds]))
