@@ -84,8 +84,8 @@ def test_every_method_at_every_batch_size_equals_batch_one(get_adapter, arch, tm
 
 
 def test_batched_forwards_run_without_cudnn_attention(get_adapter, tmp_path, monkeypatch):
-    """Joint prefills (fresh, and over reused prefixes) and steps each run inside compat.attention_kernels
-    (cuDNN's attention planned every step anew on an H200: tests/test_engine.py)."""
+    """Joint prefills (fresh, and over reused prefixes: a conversation's next turns) and steps each run inside
+    compat.attention_kernels (cuDNN's attention planned every step anew on an H200: tests/test_engine.py)."""
     real, callers = compat.attention_kernels, []
 
     def kernels(device):
@@ -97,8 +97,8 @@ def test_batched_forwards_run_without_cudnn_attention(get_adapter, tmp_path, mon
     reqs = stream("qwen", tmp_path)
     want = [tokens for _, tokens in run(Session(adapter, "ar"), reqs)]
     callers.clear()  # batch 1's (tests/test_engine.py)
-    assert [tokens for _, tokens in run(Session(adapter, "recap", batch=3), reqs)] == want
-    assert {name for name, _ in callers} == {"_prefill", "verify"}
+    assert [tokens for _, tokens in run(Session(adapter, "recap", batch=3, prefix_cache=64), reqs)] == want
+    assert {name for name, _ in callers} == {"_prefill", "_extend", "verify"}
     assert {device for _, device in callers} == {adapter.device}
 
 

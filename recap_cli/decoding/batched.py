@@ -30,8 +30,8 @@ from ..options import DEFAULT_BATCH, default_batch  # noqa: F401 - re-exported (
 from ..prefix_cache import Hit, PrefixCache, common_prefix
 from . import compat
 from .cost import UNKNOWN, BatchCost, OpeningCost, RowShare, batch_width, draining_width
-from .engine import (Generation, accept, additive, ancestors, chain_tree_seen, commit, greedy_and_rows, join_rows, text_positions,
-                     tree_prompt)
+from .engine import (Generation, accept, additive, ancestors, chain_tree_seen, commit, greedy_and_rows, join_rows,
+                     text_positions, tree_prompt)
 from .sampling import Picker, choose
 from .tree import Rows, Tree, Verified
 
