@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks as one script, for a lent CUDA machine (the `device` tool's `run`, about 4 minutes there):
+# The GPU checks as one script, for a lent CUDA machine (several minutes; each step has its own time limit):
 #
 #   bash benchmarks/gpu_session.sh                          # results under $OUT (default runs/gpu)
 #   LIMIT=2 DEVICE=cpu REPEATS=1 bash benchmarks/gpu_session.sh   # a smoke test of the script on a CPU
@@ -9,7 +9,9 @@
 # 2. benchmarks/batching.py, the same sets at batch 16, fresh sessions (start-up included), by wall time;
 # 3. benchmarks/gpu_steps.py, eager step costs at the Qwen2.5-VL-7B shape (random weights), batch 1 and batched;
 # 4. benchmarks/attention_kernels.py, step times under each choice of attention kernels;
-# 5. `recap compare` on 24 held-out demo scenes.
+# 5. `recap compare` on 24 held-out demo scenes;
+# 6. `recap run` as a user runs it, `ar` beside recap: the default batch (32 on CUDA), then batch 1, which on CUDA
+#    compiles its steps (CUDA graphs; the warm-up is in the time). Each run's summary line.
 # Each step has its own time limit (TIMEOUT seconds, scaled), so a slow one leaves the others' results.
 set -u
 OUT=${OUT:-runs/gpu}
@@ -60,3 +62,11 @@ echo "== attention_kernels.py"
 timeout "$T" python3 benchmarks/attention_kernels.py --device "$DEVICE" --limit "${LIMIT:-8}" >"$OUT/kernels.txt" 2>&1
 echo "rc $?"; cat "$OUT/kernels.txt"
 compare heldout $HO 1
+echo "== recap run, default batch, then batch 1 (compiled on CUDA)"
+cat $B/demo_caption.jsonl $B/demo_vqa.jsonl $B/demo_multiturn.jsonl > /tmp/gpu_all.jsonl
+for batch in "" "--batch 1"; do
+    for method in ar recap; do
+        timeout "$T" python3 -m recap_cli run /tmp/gpu_all.jsonl --root $B --method $method $batch --device "$DEVICE" \
+            -o /dev/null 2>&1 | tail -n 1
+    done
+done
