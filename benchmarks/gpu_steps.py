@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from recap_cli.adapters import Adapter, Prompt  # noqa: E402
 from recap_cli.decoding.batched import BatchEngine  # noqa: E402
 from recap_cli.drafters import Drafter, RecapDrafter  # noqa: E402
-from recap_cli.decoding import compat  # noqa: E402
 from recap_cli.decoding.engine import BUCKETS, Engine, generate  # noqa: E402
 from recap_cli.decoding.tree import Tree  # noqa: E402
 
@@ -77,12 +76,9 @@ def warm(engine: Engine, prompt: Prompt, seconds: float) -> None:
     """Run one-node steps for ``seconds`` before anything is timed. On an H200 the first timings of a run came out
     ~1.5x the later ones (a one-node step 31.6 ms first, 18.5-22.7 ms later in the same process): the GPU warming
     up, which is not what a step costs."""
-    engine.prefill(prompt, reserve=64)
-    start, t0 = engine.length, time.perf_counter()
+    t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        engine.verify(Tree.root(1))
-        compat.keep_rows(engine.cache, start, None, start)
-        engine.length = start
+        step_costs(engine, prompt, [1], reps=10)
 
 
 def step_costs(engine: Engine, prompt: Prompt, sizes: list[int], reps: int) -> dict[int, float]:

@@ -352,14 +352,13 @@ class BatchEngine:
 
         Row r's node i sees row r's committed columns (< length_r), its tree ancestors and itself."""
         b, t, w = len(trees), max(len(tr) for tr in trees), self.width
-        ids = [tree.tokens + [tree.tokens[0]] * (t - len(tree)) for tree in trees]
-        depths = [tree.depths() + [0] * (t - len(tree)) for tree in trees]
+        ids, depths = zip(*(tree.padded(t) for tree in trees))
         base = torch.tensor([[s.length + s.rope_delta] for s in self.slots], device=self.device)
         pos = torch.tensor(depths, device=self.device) + base
         ids_t = torch.tensor(ids, device=self.device)
         if b == 1 and t == 1 and self.slots[0].length == w:
             return ids_t, pos, None  # one token of one row sees everything cached: no mask needed
-        # Built where it is used: on a GPU the mask (rows x nodes x positions) is megabytes, its indices are not.
+        # Built where it is used: on a GPU the mask (rows x nodes x positions) is megabytes, the trees' blocks are not.
         dev = self.device
         lengths = torch.tensor([s.length for s in self.slots], device=dev)
         mask = torch.full((b * t, w + t), torch.finfo(self.dtype).min, dtype=self.dtype, device=dev)

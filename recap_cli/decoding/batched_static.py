@@ -94,8 +94,7 @@ class StaticBatchEngine(BatchEngine):
         base = [0] * n
         slots = [Tree(tokens=[], parents=[])] * n  # a free slot's nodes are padding only
         for tree, slot, state in zip(trees, self.place, self.slots):
-            ids[slot] = tree.tokens + [tree.tokens[0]] * (t - len(tree))
-            depths[slot] = tree.depths() + [0] * (t - len(tree))
+            ids[slot], depths[slot] = tree.padded(t)
             base[slot] = state.length + state.rope_delta
             slots[slot] = tree
         pos = torch.tensor(depths, device=dev) + torch.tensor(base, device=dev)[:, None]

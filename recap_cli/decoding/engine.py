@@ -256,8 +256,9 @@ class Engine:
         if self.static and self.length + size > self.capacity:
             raise RuntimeError(f"static KV cache full ({self.capacity} positions): reserve more at prefill")
         pad = size - n  # padding nodes hang off nothing: they see the prefix and themselves, no node sees them
-        ids = torch.tensor([tree.tokens + [tree.tokens[0]] * pad], device=self.device)
-        pos = torch.tensor([tree.depths() + [0] * pad], device=self.device) + (self.length + self.rope_delta)
+        tokens, depths = tree.padded(size)
+        ids = torch.tensor([tokens], device=self.device)
+        pos = torch.tensor([depths], device=self.device) + (self.length + self.rope_delta)
         # Node i attends to the whole prefix, its ancestors and itself; one token needs no mask at all.
         mask = self._tree_mask(tree.parents + [-1] * pad) if size > 1 or self.static else None
         mask = self.adapter.layer_masks(mask, pos, self.length) if mask is not None else None

@@ -51,6 +51,12 @@ class Tree:
             d[i] = d[self.parents[i]] + 1
         return d
 
+    def padded(self, width: int) -> tuple[list[int], list[int]]:
+        """Tokens and depths padded to ``width`` nodes, as a fixed-shape step lays them out: a padding node repeats
+        the root's token at depth 0 (it hangs off nothing, and its mask row lets it see only itself)."""
+        pad = width - len(self.tokens)
+        return self.tokens + [self.tokens[0]] * pad, self.depths() + [0] * pad
+
     def without(self, token: int | None) -> "Tree":
         """This tree less the nodes holding ``token`` and those under them (itself when none does)."""
         if token is None or token not in self.tokens[1:]:
