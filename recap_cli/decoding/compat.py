@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
 # Every kernel of scaled-dot-product attention but cuDNN's (see ``attention_kernels``).
-_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager:
@@ -27,7 +27,7 @@ def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager
     by the tokens it accepts). On an H200 (torch 2.11, the demo model in bf16) steps then took 3 ms to 0.8 s:
     `ar` ran at 118 tokens/s and recap at 0.69x `ar`; without it, steps took 3.5-6 ms, `ar` 263 tokens/s and
     recap 1.64x (docs/benchmarks.md). Elsewhere nothing changes."""
-    return sdpa_kernel(_KERNELS) if device.type == "cuda" else contextlib.nullcontext()
+    return sdpa_kernel(KERNELS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
