@@ -81,6 +81,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--limit", type=int, default=8, help="requests of each demo set")
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="which kernel choices, in this order, comma-separated; one may repeat, to see drift")
     args = ap.parse_args()
     adapter = load(locate("demo", offline=True), device=args.device, dtype="bf16" if args.device == "cuda" else "fp32")
     freeze_loaded()
@@ -92,8 +94,8 @@ def main() -> None:
     print(f"{len(reqs)} demo requests, {adapter.device}, {adapter.model.dtype}, torch {torch.__version__}")
     print("| kernels | method | tokens/s | mean x ar | total x ar | p10 | step ms: median | mean | slowest | match |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, kernels in VARIANTS.items():
-        for method, row in run_variant(adapter, reqs, kernels, args.max_new_tokens).items():
+    for name in args.variants.split(","):
+        for method, row in run_variant(adapter, reqs, VARIANTS[name], args.max_new_tokens).items():
             ms = row["step_ms"]
             print(f"| {name} | {method} | {row['tokens_per_s']:.0f} | {row['mean_speedup']:.2f} | "
                   f"{row['total_speedup']:.2f} | {row['p10']:.2f} | {statistics.median(ms):.2f} | "

@@ -10,15 +10,19 @@
 # 3. benchmarks/gpu_steps.py, eager step costs at the Qwen2.5-VL-7B shape (random weights), batch 1 and batched;
 # 4. benchmarks/attention_kernels.py, step times under each choice of attention kernels;
 # 5. `recap compare` on 24 held-out demo scenes;
-# 6. `recap run` as a user runs it, `ar` beside recap: the default batch (32 on CUDA), then batch 1, which on CUDA
-#    compiles its steps (CUDA graphs; the warm-up is in the time). Each run's summary line.
+# 6. `recap run` as a user runs it, `ar` beside recap, twice each, on the bench and held-out sets together: the
+#    default batch (32 on CUDA), then batch 1, which on CUDA compiles its steps (CUDA graphs; the warm-up is in the
+#    time). Each run's summary line.
 # Each step has its own time limit (TIMEOUT seconds, scaled), so a slow one leaves the others' results.
+# STEPS picks some of them and their order (default: all, as above), e.g. STEPS="heldout run" for steps 5 and 6;
+# names: bench batching gpu_steps kernels heldout run.
 set -u
 OUT=${OUT:-runs/gpu}
 DEVICE=${DEVICE:-cuda}
 LIMIT=${LIMIT:-}
 REPEATS=${REPEATS:-2}
 T=${TIMEOUT:-60}
+STEPS=${STEPS:-bench batching gpu_steps kernels heldout run}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if ! python3 -c "import orjson" 2>/dev/null; then  # the GPU image lacks orjson: carried as a wheel in .whl
@@ -48,25 +52,52 @@ compare() {  # name dir repeats
     echo "rc $?"; tail -n 9 "$OUT/compare_$1.txt"
 }
 
-compare bench $B "$REPEATS"
-echo "== batching.py, batch 16, fresh sessions"
-timeout $((2 * T)) python3 benchmarks/batching.py --device "$DEVICE" --dtype bf16 --fresh --rounds 3 --batches 16 \
-    --methods ar,recap,suffix,tr:budget=auto,pld --inputs $B/demo_caption.jsonl $B/demo_vqa.jsonl \
-    $B/demo_multiturn.jsonl --json "$OUT/batching.json" >"$OUT/batching.txt" 2>&1
-echo "rc $?"; grep "^| " "$OUT/batching.txt"
-echo "== gpu_steps.py, Qwen2.5-VL-7B shape, eager"
-timeout "$T" python3 benchmarks/gpu_steps.py --shapes qwen2.5-vl-7b --no-compile --reps 10 --batches 1,4,16 \
-    ${LIMIT:+--tiny} --json "$OUT/gpu_steps.json" >"$OUT/gpu_steps.txt" 2>&1
-echo "rc $?"; cat "$OUT/gpu_steps.txt"
-echo "== attention_kernels.py"
-timeout "$T" python3 benchmarks/attention_kernels.py --device "$DEVICE" --limit "${LIMIT:-8}" >"$OUT/kernels.txt" 2>&1
-echo "rc $?"; cat "$OUT/kernels.txt"
-compare heldout $HO 1
-echo "== recap run, default batch, then batch 1 (compiled on CUDA)"
-cat $B/demo_caption.jsonl $B/demo_vqa.jsonl $B/demo_multiturn.jsonl > /tmp/gpu_all.jsonl
-for batch in "" "--batch 1"; do
-    for method in ar recap; do
-        timeout "$T" python3 -m recap_cli run /tmp/gpu_all.jsonl --root $B --method $method $batch --device "$DEVICE" \
-            -o /dev/null 2>&1 | tail -n 1
+batching() {
+    echo "== batching.py, batch 16, fresh sessions"
+    timeout $((2 * T)) python3 benchmarks/batching.py --device "$DEVICE" --dtype bf16 --fresh --rounds 3 --batches 16 \
+        --methods ar,recap,suffix,tr:budget=auto,pld --inputs $B/demo_caption.jsonl $B/demo_vqa.jsonl \
+        $B/demo_multiturn.jsonl --json "$OUT/batching.json" >"$OUT/batching.txt" 2>&1
+    echo "rc $?"; grep "^| " "$OUT/batching.txt"
+}
+
+gpu_steps() {
+    echo "== gpu_steps.py, Qwen2.5-VL-7B shape, eager"
+    timeout "$T" python3 benchmarks/gpu_steps.py --shapes qwen2.5-vl-7b --no-compile --reps 10 --batches 1,4,16 \
+        ${LIMIT:+--tiny} --json "$OUT/gpu_steps.json" >"$OUT/gpu_steps.txt" 2>&1
+    echo "rc $?"; cat "$OUT/gpu_steps.txt"
+}
+
+kernels() {
+    echo "== attention_kernels.py"
+    timeout "$T" python3 benchmarks/attention_kernels.py --device "$DEVICE" --limit "${LIMIT:-8}" >"$OUT/kernels.txt" 2>&1
+    echo "rc $?"; cat "$OUT/kernels.txt"
+}
+
+runs() {  # on the bench and held-out sets together (144 requests), so a compiled run's warm-up weighs less
+    echo "== recap run, default batch, then batch 1 (compiled on CUDA)"
+    python3 - "$B" "$HO" > /tmp/gpu_all.jsonl <<'PY'
+import json, os, sys
+for root, tag in ((os.path.abspath(sys.argv[1]), ""), (os.path.abspath(sys.argv[2]), "ho-")):
+    for name in ("demo_caption", "demo_vqa", "demo_multiturn"):
+        for line in open(f"{root}/{name}.jsonl"):
+            r = json.loads(line)
+            r["id"], r["image"] = tag + r["id"], f"{root}/{r['image']}"
+            print(json.dumps(r))
+PY
+    for batch in "" "--batch 1"; do
+        for method in ar recap ar recap; do
+            timeout "$T" python3 -m recap_cli run /tmp/gpu_all.jsonl --method $method $batch --device "$DEVICE" \
+                -o /dev/null 2>&1 | grep "items,"
+        done
     done
+}
+
+for step in $STEPS; do
+    case $step in
+        bench) compare bench $B "$REPEATS" ;;
+        heldout) compare heldout $HO 1 ;;
+        batching|gpu_steps|kernels) $step ;;
+        run) runs ;;
+        *) echo "unknown step: $step" ;;
+    esac
 done
