@@ -122,7 +122,8 @@ def run(
     inputs: str = typer.Argument(..., help="JSONL file of requests, or - for stdin"),
     model: str = typer.Option("demo", "--model", "-m", help="short name, hub repo id or local directory"),
     method: str = typer.Option("recap", help=f"decoding method: {', '.join(METHODS)}"),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="write JSONL here instead of stdout"),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="write JSONL here instead of stdout "
+                                          "(- : stdout)"),
     root: Optional[Path] = typer.Option(None, help="folder relative image paths start from "
                                         "[default: the input file's folder; the working directory for stdin]"),
     max_new_tokens: int = typer.Option(200, min=1, help="per request, and the most a record's own "
@@ -174,10 +175,12 @@ def run(
 ) -> None:
     """Answer every request of INPUTS, one JSON line out per line in, in order."""
     _set_output(quiet)
+    if output == Path("-"):  # as for INPUTS: a pipeline's "-o -" means the standard stream, not a file named "-"
+        output = None
     if method not in METHODS:
         fail(f"unknown method '{method}': use one of {', '.join(METHODS)}")
     if resume and output is None:
-        fail("--resume needs --output (the file to resume)")
+        fail("--resume needs --output (the file to resume; not stdout)")
     _check_paths(inputs, output=output, summary=summary, memory=memory)
     source, base, total = _open_inputs(inputs)
     if root is not None:

@@ -81,6 +81,16 @@ def test_stdin_to_stdout_pipeline_carries_only_jsonl(model_dirs, workdir, monkey
     assert "3 items, 0 errors" in result.stderr
 
 
+def test_dash_output_is_stdout_not_a_file_named_dash(model_dirs, workdir, monkeypatch):
+    monkeypatch.chdir(workdir)
+    result = invoke(["run", "-", "--model", model_dirs["qwen"], "--max-new-tokens", 3, "-o", "-"], jsonl(GOOD[0]))
+    assert result.exit_code == 0, result.stderr
+    assert [r["id"] for r in lines(result.stdout)] == ["cap"]
+    assert not (workdir / "-").exists()
+    result = invoke(["run", "-", "--model", model_dirs["qwen"], "-o", "-", "--resume"], jsonl(GOOD[0]))
+    assert result.exit_code == 2 and "not stdout" in result.stderr
+
+
 def test_every_bad_line_yields_one_error_record_and_the_run_goes_on(model_dirs, workdir):
     bad = [b'{"id": "ok", "image": "a.png", "question": "Which colour?"}',
            b"{not json",
