@@ -16,8 +16,8 @@
 # Each step has its own time limit (TIMEOUT seconds, scaled), so a slow one leaves the others' results.
 # STEPS picks some of them and their order (default: all, as above), e.g. STEPS="heldout run" for steps 5 and 6;
 # names: bench batching gpu_steps kernels heldout run. On an H200, "batching" took 73 s in one call, "heldout"
-# and "kernels" about a minute each, "run" (12 processes of 72-144 requests) 272 s: all six do not fit in one
-# 600 s call, so split them.
+# and "kernels" about a minute each; 12 `recap run` processes of 72-144 requests took 272 s, so "run" (8 of 144)
+# takes some 3 minutes: all six do not fit in one 600 s call, so split them.
 set -u
 OUT=${OUT:-runs/gpu}
 DEVICE=${DEVICE:-cuda}
