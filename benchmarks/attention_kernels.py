@@ -84,6 +84,9 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="which kernel choices, in this order, comma-separated; one may repeat, to see drift")
     args = ap.parse_args()
+    unknown = [name for name in args.variants.split(",") if name not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
     adapter = load(locate("demo", offline=True), device=args.device, dtype="bf16" if args.device == "cuda" else "fp32")
     freeze_loaded()
     bench = Path(__file__).resolve().parent.parent / "sample_inputs" / "bench"

@@ -83,13 +83,16 @@ for root, tag in ((os.path.abspath(sys.argv[1]), ""), (os.path.abspath(sys.argv[
     for name in ("demo_caption", "demo_vqa", "demo_multiturn"):
         for line in open(f"{root}/{name}.jsonl"):
             r = json.loads(line)
-            r["id"], r["image"] = tag + r["id"], f"{root}/{r['image']}"
+            r["id"] = tag + r["id"]
+            if r.get("image"):
+                r["image"] = f"{root}/{r['image']}"
             print(json.dumps(r))
 PY
     for batch in "" "--batch 1"; do
         for method in ar recap ar recap; do
             timeout "$T" python3 -m recap_cli run /tmp/gpu_all.jsonl --method $method $batch --device "$DEVICE" \
-                -o /dev/null 2>&1 | grep "items,"
+                -o /dev/null >/tmp/gpu_run.txt 2>&1 || echo "rc $?: $method ${batch:-default batch}"
+            grep "items," /tmp/gpu_run.txt
         done
     done
 }
