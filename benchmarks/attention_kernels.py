@@ -84,7 +84,8 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="which kernel choices, in this order, comma-separated; one may repeat, to see drift")
     args = ap.parse_args()
-    unknown = [name for name in args.variants.split(",") if name not in VARIANTS]
+    names = args.variants.split(",")
+    unknown = [name for name in names if name not in VARIANTS]
     if unknown:
         ap.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
     adapter = load(locate("demo", offline=True), device=args.device, dtype="bf16" if args.device == "cuda" else "fp32")
@@ -97,7 +98,7 @@ def main() -> None:
     print(f"{len(reqs)} demo requests, {adapter.device}, {adapter.model.dtype}, torch {torch.__version__}")
     print("| kernels | method | tokens/s | mean x ar | total x ar | p10 | step ms: median | mean | slowest | match |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name in args.variants.split(","):
+    for name in names:
         for method, row in run_variant(adapter, reqs, VARIANTS[name], args.max_new_tokens).items():
             ms = row["step_ms"]
             print(f"| {name} | {method} | {row['tokens_per_s']:.0f} | {row['mean_speedup']:.2f} | "

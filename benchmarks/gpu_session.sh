@@ -75,7 +75,7 @@ kernels() {
     echo "rc $?"; cat "$OUT/kernels.txt"
 }
 
-runs() {  # on the bench and held-out sets together (144 requests), so a compiled run's warm-up weighs less
+run() {  # on the bench and held-out sets together (144 requests), so a compiled run's warm-up weighs less
     echo "== recap run, default batch, then batch 1 (compiled on CUDA)"
     python3 - "$B" "$HO" > /tmp/gpu_all.jsonl <<'PY'
 import json, os, sys
@@ -101,8 +101,7 @@ for step in $STEPS; do
     case $step in
         bench) compare bench $B "$REPEATS" ;;
         heldout) compare heldout $HO 1 ;;
-        batching|gpu_steps|kernels) $step ;;
-        run) runs ;;
+        batching|gpu_steps|kernels|run) $step ;;
         *) echo "unknown step: $step" ;;
     esac
 done
