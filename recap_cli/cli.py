@@ -181,7 +181,7 @@ def run(
         fail(f"unknown method '{method}': use one of {', '.join(METHODS)}")
     if resume and output is None:
         fail("--resume needs --output (the file to resume; not stdout)")
-    _check_paths(inputs, output=output, summary=summary, memory=memory)
+    _check_paths([Path(inputs)], output=output, summary=summary, memory=memory)
     source, base, total = _open_inputs(inputs)
     if root is not None:
         if not root.is_dir():
@@ -299,10 +299,11 @@ def _stopped_by(held: list[int]) -> int | None:
     return {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}.get(held[0]) if held else None
 
 
-def _check_paths(inputs: str, **targets: Path | None) -> None:
-    """Refuse, before the model loads, every path the run would write but cannot, or must not (the input)."""
+def _check_paths(inputs: list[Path], **targets: Path | None) -> None:
+    """Refuse, before the model loads, every path the run would write but cannot, or must not (an input)."""
     named = {f"--{flag}" if flag != "output" else "-o": path for flag, path in targets.items()}
-    problem = safety.clashes(Path(inputs) if inputs != "-" else None, named)
+    files = [path for path in inputs if str(path) != "-"]  # "-": stdin
+    problem = next(filter(None, (safety.clashes(path, named) for path in files or [None])), None)
     for flag, path in named.items():
         problem = problem or (safety.unwritable(path, flag, atomic=flag == "--memory") if path else None)
     if problem:
@@ -356,6 +357,9 @@ def compare(
     if repeats > 1 and batch > 1:
         fail("--repeats times one request at a time; a batch is timed by its wall time over the whole dataset "
              "(use --batch 1, or run the comparison again)")
+    _check_paths(inputs, json=json_out)  # a typo in a path must not cost the whole comparison's results
+    if report_dir is not None and (str(report_dir) == "-" or report_dir.exists() and not report_dir.is_dir()):
+        fail(f"--report {report_dir}: name a folder (for report.md and speedups.png)")
     labels = list(dict.fromkeys([baseline] + [m.strip() for m in methods.split(",") if m.strip()]))
     try:
         for label in labels:

@@ -40,7 +40,10 @@ def clashes(inputs: Path | None, targets: dict[str, Path | None]) -> str | None:
 def unwritable(path: Path, flag: str, atomic: bool = False) -> str | None:
     """The sentence saying why ``path`` cannot be written, or None. Checked before the model loads, so a typo
     in a path costs neither a model load nor a whole run's answers. An ``atomic`` write (temp file + rename)
-    needs a writable folder even when the file exists."""
+    needs a writable folder even when the file exists. ``-`` names stdout only for the records (``-o -``): any
+    other file there would be mixed into them, and a file named "-" is never what was meant."""
+    if str(path) == "-":
+        return f"{flag} -: stdout carries the records; name a file"
     if path.is_dir():
         return f"{flag} {path} is a folder, not a file"
     folder = (path.resolve() if atomic else path).parent  # a symlink's target is what an atomic write replaces

@@ -95,6 +95,34 @@ def test_unwritable_targets_are_refused_before_the_model_loads(workdir, monkeypa
     assert r.exit_code == 2 and "--summary" in said(r)
 
 
+def test_a_dash_names_stdout_for_the_records_only(workdir, monkeypatch):
+    """``-o -`` is stdout; a summary or a memory there would be mixed into the records (it used to write a file
+    named "-")."""
+    no_model_load(monkeypatch)
+    monkeypatch.chdir(workdir)
+    src = workdir / "d.jsonl"
+    src.write_bytes(jsonl({"id": 1, "prompt": "hi"}))
+    for flag in ("--summary", "--memory"):
+        r = invoke(["run", src, flag, "-"])
+        assert r.exit_code == 2 and f"{flag} -: stdout carries the records" in said(r), r.stderr
+    r = invoke(["compare", src, "--json", "-"])
+    assert r.exit_code == 2 and "--json -: stdout carries the records" in said(r)
+    assert not (workdir / "-").exists()
+
+
+def test_compare_checks_its_files_before_the_model_loads(workdir, monkeypatch):
+    """A typo in --json used to end a whole comparison in a traceback, its results unwritten."""
+    no_model_load(monkeypatch)
+    src = workdir / "c.jsonl"
+    src.write_bytes(jsonl({"id": 1, "prompt": "hi"}))
+    r = invoke(["compare", src, "--json", workdir / "missing" / "out.json"])
+    assert r.exit_code == 2 and "--json" in said(r) and "does not exist" in said(r) and "Traceback" not in said(r)
+    r = invoke(["compare", workdir / "a.png", src, "--json", src])
+    assert r.exit_code == 2 and "is the input file" in said(r)
+    r = invoke(["compare", src, "--report", src])
+    assert r.exit_code == 2 and "--report" in said(r) and "name a folder" in said(r)
+
+
 def test_read_only_places_are_named(tmp_path, monkeypatch):
     """What the skipped test below checks for real, where root's writes would pass anyway."""
     from recap_cli import safety
