@@ -8,7 +8,8 @@ learned this machine); then every round runs every session over all inputs with 
 methods back to back at each batch size in an order that rotates from one round to the next, so machine drift hits
 all alike. With ``--fresh`` every round starts new sessions instead, untimed only while the model loads: what one
 ``recap run`` costs, the cost model's learning (its start-up) included. Reported: the median over rounds (and the
-spread), each round's wall and CPU seconds (CPU time of this process: steadier than wall time on a machine
+spread), the share of wall time spent drafting (every row's propose and observe: host time the step's other rows
+wait for), each round's wall and CPU seconds (CPU time of this process: steadier than wall time on a machine
 others share, though not free of them), mean rows in flight, tokens per step, and the share of requests whose
 tokens equal ``ar`` at batch 1 (batched matrix products may round differently from batch 1: any difference is
 listed, never hidden). Prompt prefixes are reused across requests as ``recap run`` reuses them (``--prefix-cache
@@ -184,6 +185,10 @@ def main() -> None:
             "match_vs_reference": 1 - len(set(differ)) / len(reqs), "differ": sorted(set(map(str, differ))),
             "projected_h200_decode_tokens_per_s": statistics.median(projected[(method, b)]) if projected[(method, b)]
             else None,
+            # Rows draft one after another, each between the step's forward passes: the records' drafting
+            # seconds add up to host time every row of the run waited for.
+            "drafting_share": statistics.median(sum(rec["draft_ms"] for rec in recs) / 1000 / s
+                                                for s, recs, _, _ in results),
             "wall_s_runs": [round(s, 3) for s, _, _, _ in results],
             "cpu_s_runs": [round(c, 3) for c in cpu[(method, b)]],
         })
@@ -192,14 +197,14 @@ def main() -> None:
     print(f"\n{len(reqs)} requests, max {args.max_new_tokens} new tokens, {torch.get_num_threads()} threads, "
           f"{args.dtype}, {args.rounds} rounds (median; runs in brackets)")
     print(f"| method | batch | requests/hour | tokens/s | x batch {batches[0]} | x {methods[0]} | rows in flight "
-          "| tokens/step | nodes/step | match |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| tokens/step | nodes/step | drafting | match |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
         print(f"| {row['method']} | {row['batch']} | {row['requests_per_hour']:,.0f} "
               f"({', '.join(f'{x:,}' for x in row['requests_per_hour_runs'])}) | {row['tokens_per_s']:.1f} | "
               f"{row['requests_per_hour'] / base[row['method']]:.2f} | {row['requests_per_hour'] / ar[row['batch']]:.2f} | "
               f"{row['mean_rows_in_flight']:.1f} | {row['tokens_per_step']:.2f} | {row['nodes_per_step']:.1f} | "
-              f"{100 * row['match_vs_reference']:.1f}% |")
+              f"{100 * row['drafting_share']:.1f}% | {100 * row['match_vs_reference']:.1f}% |")
     if args.costs == "h200":
         ar_h200 = {row["batch"]: row["projected_h200_decode_tokens_per_s"] for row in rows if row["method"] == methods[0]}
         print("\nprojected on an H200, Qwen2.5-VL-7B, eager steps (decoding only, prefill left out)")
