@@ -319,6 +319,8 @@ def compare(
                                 "recap:mixing=fixed, recap:orders=1, recap:suffix=off, recap:budget=16, "
                                 "tr:budget=auto, pld:budget=10"),
     model: str = typer.Option("demo", "--model", "-m", help="short name, hub repo id or local directory"),
+    root: Optional[Path] = typer.Option(None, help="folder relative image paths start from [default: each "
+                                        "input file's folder; the working directory for stdin]"),
     max_new_tokens: int = typer.Option(200, min=1),
     warmup: int = typer.Option(1, min=0, help="inputs run untimed through every method first"),
     keep_memory: bool = typer.Option(False, help="keep drafter memory across datasets (default: clear it)"),
@@ -368,10 +370,12 @@ def compare(
         fail(str(exc))
     decoding = _decoding_asked(generation_config, temperature=temperature, top_p=top_p, top_k=top_k,
                                repetition_penalty=repetition_penalty, seed=seed)
+    if root is not None and not root.is_dir():
+        fail(f"--root {root} is not a folder")
     requests = []
     for path in inputs:
         source, base, _ = _open_inputs(str(path))
-        for req in records.read(source, base):
+        for req in records.read(source, root.resolve() if root is not None else base):
             req.dataset = req.dataset or path.stem
             requests.append(req)
     adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
@@ -413,7 +417,10 @@ def compare(
                      if comparison.parse_method(label)[0] not in exempt)
     failed, uneven = comparison.failures(rows)
     _name_failures(failed, uneven, len(requests), allow_failures)
-    raise typer.Exit(EXIT_FAILED_RECORDS if mismatched or (uneven and not allow_failures) else EXIT_OK)
+    nothing = bool(rows) and all(r.error is not None for r in rows)
+    if nothing:  # not even --allow-failures makes an empty comparison a result
+        err.print("[bold red]error:[/] every method failed on every input: nothing was compared", highlight=False)
+    raise typer.Exit(EXIT_FAILED_RECORDS if mismatched or nothing or (uneven and not allow_failures) else EXIT_OK)
 
 
 def _name_failures(failed: dict[str, list[Measurement]], uneven: dict[str, int], inputs: int,

@@ -140,7 +140,7 @@ def load_image(path: Path, max_pixels: int = MAX_IMAGE_PIXELS, root: Path | None
     """An RGB image the way it is meant to be seen (EXIF orientation applied: phone photos are stored sideways),
     or a ValueError that says what is wrong with the file; ``root`` is where a relative path was resolved."""
     if not path.is_file():
-        where = f" (a relative path, resolved against {root}; `recap run --root` sets that folder)" if root else ""
+        where = f" (a relative path, resolved against {root}; `--root` sets that folder)" if root else ""
         raise ValueError(f"image not found: {path}{where}")
     try:
         with Image.open(path) as img:

@@ -310,3 +310,22 @@ def test_the_markdown_report_counts_failed_inputs():
     rows = [m("a", "ar", 10, 1.0), m("a", "x", 10, 0.5), m("b", "ar", 10, 1.0),
             Measurement(id="b", dataset="d", method="x", error="boom")]
     assert "- `x` failed on 1 of 2 inputs (left out of the statistics)" in markdown(summarize(rows, "ar"), "ar")
+
+
+def test_compare_resolves_images_from_root_and_an_empty_comparison_exits_1(model_dirs, tmp_path):
+    """Relative image paths start from --root as in ``recap run``; where every input fails for every method
+    (here: the images are not beside the input file) nothing was compared, which is not a success."""
+    (tmp_path / "imgs").mkdir()
+    make_image(3).save(tmp_path / "imgs" / "a.png")
+    (tmp_path / "in.jsonl").write_bytes(orjson.dumps({"id": "a", "image": "a.png", "question": "Colour?"}) + b"\n")
+    args = ["compare", str(tmp_path / "in.jsonl"), "--model", str(model_dirs["qwen"]), "--methods", "recap",
+            "--max-new-tokens", "4", "--warmup", "0"]
+    lost = CliRunner().invoke(cli.app, args + ["--allow-failures"])
+    assert lost.exit_code == 1 and "nothing was compared" in " ".join(lost.stderr.split()), lost.stderr
+    assert all("image not found" in orjson.loads(x)["error"] for x in lost.stdout.splitlines())
+    found = CliRunner().invoke(cli.app, args + ["--root", str(tmp_path / "imgs")])
+    assert found.exit_code == 0, found.stderr
+    rows = [orjson.loads(x) for x in found.stdout.splitlines()]
+    assert len(rows) == 2 and all(r["error"] is None and r["match"] for r in rows)
+    missing = CliRunner().invoke(cli.app, args + ["--root", str(tmp_path / "nope")])
+    assert missing.exit_code == 2 and "is not a folder" in missing.stderr
