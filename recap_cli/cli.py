@@ -378,6 +378,8 @@ def compare(
         for req in records.read(source, root.resolve() if root is not None else base):
             req.dataset = req.dataset or path.stem
             requests.append(req)
+    if not requests:  # an empty file: no table, no rows, and a 0 that says all is well
+        fail(f"no requests in {', '.join(map(str, inputs))}: nothing to compare")
     adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
     settings = _settings(adapter, decoding)
     try:

@@ -329,3 +329,6 @@ def test_compare_resolves_images_from_root_and_an_empty_comparison_exits_1(model
     assert len(rows) == 2 and all(r["error"] is None and r["match"] for r in rows)
     missing = CliRunner().invoke(cli.app, args + ["--root", str(tmp_path / "nope")])
     assert missing.exit_code == 2 and "is not a folder" in missing.stderr
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    empty = CliRunner().invoke(cli.app, ["compare", str(tmp_path / "empty.jsonl"), "--model", "no-such-model"])
+    assert empty.exit_code == 2 and "nothing to compare" in " ".join(empty.stderr.split()), empty.stderr
