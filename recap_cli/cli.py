@@ -274,11 +274,14 @@ def run(
 def _memory_file(memory: Path | None, method: str, cold_on_error: bool) -> dict | None:
     """The --memory file read and checked as far as no model is needed; None: start cold (no file yet, a method
     that keeps nothing across requests, or a damaged file with --memory-cold-on-error)."""
-    if memory is None or not memory.is_file():
+    if memory is None:
         return None
     from .session import MemoryFileError, keeps_memory, read_memory
 
-    if not keeps_memory(method):
+    if not keeps_memory(method):  # said, not silently ignored: a user may count on a warm next run
+        info(f"--memory is not used: {method} keeps no drafter memory to load or save")
+        return None
+    if not memory.is_file():
         return None
     try:
         return read_memory(memory, method)

@@ -53,3 +53,8 @@ def test_a_warm_start_says_where_its_memory_came_from(get_adapter, model_dirs, w
     assert invoke(args + ["--quiet"]).stderr == ""
     ar = invoke(["run", src, "--model", model_dirs["text"], "--memory", mem, "--method", "ar", "--max-new-tokens", 3])
     assert ar.exit_code == 0 and "loaded" not in said(ar)  # ar keeps nothing across requests: the file is not used
+    assert "--memory is not used: ar keeps no drafter memory" in said(ar)  # and says so, rather than nothing
+    before = mem.read_bytes()
+    sfx = invoke(["run", src, "--model", model_dirs["text"], "--memory", mem, "--method", "suffix",
+                  "--max-new-tokens", 3])
+    assert sfx.exit_code == 0 and "--memory is not used: suffix" in said(sfx) and mem.read_bytes() == before
