@@ -13,9 +13,11 @@
 # 6. `recap run` as a user runs it, `ar` beside recap, twice each, on the bench and held-out sets together: the
 #    default batch (32 on CUDA), then batch 1, which on CUDA compiles its steps (CUDA graphs; the warm-up is in the
 #    time). Each run's summary line.
+# 7. (not in the default list) `compiled`: the same at --batch 16 with --compile on (batched static shapes), then
+#    off; never measured on a GPU: give it its own call.
 # Each step has its own time limit (TIMEOUT seconds, scaled), so a slow one leaves the others' results.
 # STEPS picks some of them and their order (default: all, as above), e.g. STEPS="heldout run" for steps 5 and 6;
-# names: bench batching gpu_steps kernels heldout run. On an H200, "batching" took 73 s in one call, "heldout"
+# names: bench batching gpu_steps kernels heldout run compiled. On an H200, "batching" took 73 s in one call, "heldout"
 # and "kernels" about a minute each; 12 `recap run` processes of 72-144 requests took 272 s, so "run" (8 of 144)
 # takes some 3 minutes: all six do not fit in one 600 s call, so split them.
 set -u
@@ -75,8 +77,7 @@ kernels() {
     echo "rc $?"; cat "$OUT/kernels.txt"
 }
 
-run() {  # on the bench and held-out sets together (144 requests), so a compiled run's warm-up weighs less
-    echo "== recap run, default batch, then batch 1 (compiled on CUDA)"
+all_requests() {  # the bench and held-out sets together (144 requests), so a compiled run's warm-up weighs less
     python3 - "$B" "$HO" > /tmp/gpu_all.jsonl <<'PY'
 import json, os, sys
 for root, tag in ((os.path.abspath(sys.argv[1]), ""), (os.path.abspath(sys.argv[2]), "ho-")):
@@ -88,20 +89,35 @@ for root, tag in ((os.path.abspath(sys.argv[1]), ""), (os.path.abspath(sys.argv[
                 r["image"] = f"{root}/{r['image']}"
             print(json.dumps(r))
 PY
-    for batch in "" "--batch 1"; do
-        for method in ar recap ar recap; do
-            timeout "$T" python3 -m recap_cli run /tmp/gpu_all.jsonl --method $method $batch --device "$DEVICE" \
-                -o /dev/null >/tmp/gpu_run.txt 2>&1 || echo "rc $?: $method ${batch:-default batch}"
-            grep "items," /tmp/gpu_run.txt
-        done
+}
+
+user_runs() {  # recap run's own flags: ar and recap alternating, twice each, a fresh process each
+    for method in ar recap ar recap; do
+        timeout $((2 * T)) python3 -m recap_cli run /tmp/gpu_all.jsonl --method $method "$@" --device "$DEVICE" \
+            -o /dev/null >/tmp/gpu_run.txt 2>&1 || echo "rc $?: $method $*"
+        grep "items,\|warning" /tmp/gpu_run.txt
     done
+}
+
+run() {
+    echo "== recap run, default batch, then batch 1 (compiled on CUDA)"
+    all_requests
+    user_runs
+    user_runs --batch 1
+}
+
+compiled() {  # batched static shapes: never measured on a GPU before
+    echo "== recap run --batch 16 --compile on (static shapes per width, CUDA graphs), then --compile off"
+    all_requests
+    user_runs --batch 16 --compile on
+    user_runs --batch 16 --compile off
 }
 
 for step in $STEPS; do
     case $step in
         bench) compare bench $B "$REPEATS" ;;
         heldout) compare heldout $HO 1 ;;
-        batching|gpu_steps|kernels|run) $step ;;
+        batching|gpu_steps|kernels|run|compiled) $step ;;
         *) echo "unknown step: $step" ;;
     esac
 done
