@@ -193,6 +193,9 @@ def run(
         knobs["budget"] = _budget(method, budget)
     if compile not in ("auto", "on", "off"):
         fail("--compile takes auto, on or off")
+    if ray is None and (workers, gpus_per_worker, cpus_per_worker) != (1, 0.0, 1.0):
+        fail("--workers, --gpus-per-worker and --cpus-per-worker size a --ray run; without --ray one process "
+             "answers (add --ray local to run workers on this machine)")
     saved = _memory_file(memory, method, memory_cold_on_error)  # a damaged file stops the run before the model loads
     decoding = _decoding_asked(generation_config, temperature=temperature, top_p=top_p, top_k=top_k,
                                repetition_penalty=repetition_penalty, seed=seed)

@@ -110,6 +110,16 @@ def test_a_dash_names_stdout_for_the_records_only(workdir, monkeypatch):
     assert not (workdir / "-").exists()
 
 
+def test_worker_options_without_ray_are_refused(workdir, monkeypatch):
+    """--workers 4 without --ray used to run one process and say nothing of the other three."""
+    no_model_load(monkeypatch)
+    src = workdir / "k.jsonl"
+    src.write_bytes(jsonl({"id": 1, "prompt": "hi"}))
+    for extra in (["--workers", 2], ["--gpus-per-worker", 1], ["--cpus-per-worker", 2]):
+        r = invoke(["run", src, *extra])
+        assert r.exit_code == 2 and "size a --ray run" in said(r), (extra, r.stderr)
+
+
 def test_compare_checks_its_files_before_the_model_loads(workdir, monkeypatch):
     """A typo in --json used to end a whole comparison in a traceback, its results unwritten."""
     no_model_load(monkeypatch)
