@@ -183,10 +183,7 @@ def run(
         fail("--resume needs --output (the file to resume; not stdout)")
     _check_paths([Path(inputs)], output=output, summary=summary, memory=memory)
     source, base, total = _open_inputs(inputs)
-    if root is not None:
-        if not root.is_dir():
-            fail(f"--root {root} is not a folder")
-        base = root.resolve()
+    base = _image_root(root) or base
     knobs = _recap_knobs(method, depth=depth, mixing=mixing, orders=orders, suffix=suffix, calibrate=calibrate,
                          early=early)
     if budget is not None:
@@ -305,11 +302,17 @@ def _stopped_by(held: list[int]) -> int | None:
     return {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}.get(held[0]) if held else None
 
 
+def _image_root(root: Path | None) -> Path | None:
+    """--root, resolved, where relative image paths start instead of the input file's folder."""
+    if root is not None and not root.is_dir():
+        fail(f"--root {root} is not a folder")
+    return root.resolve() if root is not None else None
+
+
 def _check_paths(inputs: list[Path], **targets: Path | None) -> None:
     """Refuse, before the model loads, every path the run would write but cannot, or must not (an input)."""
     named = {f"--{flag}" if flag != "output" else "-o": path for flag, path in targets.items()}
-    files = [path for path in inputs if str(path) != "-"]  # "-": stdin
-    problem = next(filter(None, (safety.clashes(path, named) for path in files or [None])), None)
+    problem = safety.clashes(inputs, named)
     for flag, path in named.items():
         problem = problem or (safety.unwritable(path, flag, atomic=flag == "--memory") if path else None)
     if problem:
@@ -376,12 +379,11 @@ def compare(
         fail(str(exc))
     decoding = _decoding_asked(generation_config, temperature=temperature, top_p=top_p, top_k=top_k,
                                repetition_penalty=repetition_penalty, seed=seed)
-    if root is not None and not root.is_dir():
-        fail(f"--root {root} is not a folder")
+    folder = _image_root(root)
     requests = []
     for path in inputs:
         source, base, _ = _open_inputs(str(path))
-        for req in records.read(source, root.resolve() if root is not None else base):
+        for req in records.read(source, folder or base):
             req.dataset = req.dataset or path.stem
             requests.append(req)
     if not requests:  # an empty file: no table, no rows, and a 0 that says all is well
@@ -425,7 +427,7 @@ def compare(
                      if comparison.parse_method(label)[0] not in exempt)
     failed, uneven = comparison.failures(rows)
     _name_failures(failed, uneven, len(requests), allow_failures)
-    nothing = bool(rows) and all(r.error is not None for r in rows)
+    nothing = all(r.error is not None for r in rows)
     if nothing:  # not even --allow-failures makes an empty comparison a result
         err.print("[bold red]error:[/] every method failed on every input: nothing was compared", highlight=False)
     raise typer.Exit(EXIT_FAILED_RECORDS if mismatched or nothing or (uneven and not allow_failures) else EXIT_OK)

@@ -25,11 +25,13 @@ def same_file(a: Path, b: Path) -> bool:
     return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
-def clashes(inputs: Path | None, targets: dict[str, Path | None]) -> str | None:
-    """The sentence saying which file would overwrite the input or another output, or None."""
+def clashes(inputs: list[Path], targets: dict[str, Path | None]) -> str | None:
+    """The sentence saying which file would overwrite an input or another output, or None (``-`` among the
+    inputs is stdin)."""
     named = [(flag, path) for flag, path in targets.items() if path is not None]
+    files = [source for source in inputs if str(source) != "-"]
     for i, (flag, path) in enumerate(named):
-        if inputs is not None and same_file(inputs, path):
+        if any(same_file(source, path) for source in files):
             return f"{flag} {path} is the input file: writing it would destroy the requests; pick another path"
         for other_flag, other in named[i + 1:]:
             if same_file(path, other):
