@@ -20,7 +20,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import records, report, safety
-from .options import DEFAULT_BATCH, GENERATION_CONFIGS, METHODS, check_settings, default_batch
+from .options import (DEFAULT_BATCH, EVERY_DATASET, GENERATION_CONFIGS, HF_METHODS, METHODS, check_loading,
+                      check_settings, default_batch, parse_budget, parse_knob, parse_method)
 from .registry import FAMILIES, on_disk
 
 # torch and transformers take seconds to import: the modules that need them (models, session, batch, compare) are
@@ -104,14 +105,15 @@ def _size(n: int | None) -> str:
 
 
 # The decoding settings, the same on `run` and `compare` (docs/sampling.md).
-TEMPERATURE = typer.Option(None, help="sample at this temperature (0: greedy) [default: the model's generation "
+# Help texts escape "[default: ...]" as \\[: rich would read it as a markup tag and drop it from --help.
+TEMPERATURE = typer.Option(None, help="sample at this temperature (0: greedy) \\[default: the model's generation "
                            "config, else greedy]")
 TOP_P = typer.Option(None, help="sample from the smallest set of tokens holding this much probability")
 TOP_K = typer.Option(None, help="sample from the k most likely tokens (0: all; 1: greedy)")
 REPETITION_PENALTY = typer.Option(None, help="divide the scores of tokens already in the prompt or answer by this "
                                   "(1: off)")
 SEED = typer.Option(None, help="seed of the sampled tokens: the same seed gives the same tokens with every method "
-                    "and batch size [default: drawn, written to the records]")
+                    "and batch size \\[default: drawn, written to the records]")
 GENERATION_CONFIG = typer.Option("model", help="model: start from the model's generation config, as "
                                  "model.generate() does; greedy: from plain greedy decoding")
 
@@ -125,7 +127,7 @@ def run(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="write JSONL here instead of stdout "
                                           "(- : stdout)"),
     root: Optional[Path] = typer.Option(None, help="folder relative image paths start from "
-                                        "[default: the input file's folder; the working directory for stdin]"),
+                                        "\\[default: the input file's folder; the working directory for stdin]"),
     max_new_tokens: int = typer.Option(200, min=1, help="per request, and the most a record's own "
                                        "max_new_tokens gets (the model's context length caps both)"),
     allow_longer: bool = typer.Option(False, help="let a record's own max_new_tokens go past --max-new-tokens"),
@@ -151,7 +153,7 @@ def run(
     compile: str = typer.Option("auto", help="static KV cache + CUDA graphs: auto (on with CUDA at batch 1), on "
                                 "(batched too) or off"),
     batch: Optional[int] = typer.Option(None, min=1, help="requests decoding together, each with its own draft "
-                                        f"tree (continuous batching) [default: {DEFAULT_BATCH['cpu']} on CPU, "
+                                        f"tree (continuous batching) \\[default: {DEFAULT_BATCH['cpu']} on CPU, "
                                         f"{DEFAULT_BATCH['cuda']} on CUDA]"),
     offline: bool = typer.Option(False, help="never ask the hub; use the local cache only (also HF_HUB_OFFLINE=1)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress, info or summary on stderr (errors still "
@@ -170,7 +172,7 @@ def run(
     prefix_cache: Optional[int] = typer.Option(None, "--prefix-cache", min=0, help="MB of prefill results kept "
                                                "for reuse: a prompt that starts like an earlier one (same image, "
                                                "same text before its question; a conversation's next turn) "
-                                               "prefills only the rest; 0: off [default: a tenth of the model's "
+                                               "prefills only the rest; 0: off \\[default: a tenth of the model's "
                                                "weights, at least 64 MB]"),
 ) -> None:
     """Answer every request of INPUTS, one JSON line out per line in, in order."""
@@ -179,6 +181,7 @@ def run(
         output = None
     if method not in METHODS:
         fail(f"unknown method '{method}': use one of {', '.join(METHODS)}")
+    _check_loading(device, dtype, attn)
     if resume and output is None:
         fail("--resume needs --output (the file to resume; not stdout)")
     _check_paths([Path(inputs)], output=output, summary=summary, memory=memory)
@@ -208,6 +211,9 @@ def run(
     from .session import MemoryFileError
 
     batch = batch or default_batch(adapter.device.type)
+    if compile == "on" and adapter.device.type != "cuda":  # honoured (it is tested so), but rarely what is wanted
+        _warn("--compile on without CUDA: compiling takes a minute or more, and on a CPU the compiled steps are "
+              "no faster than eager ones (CUDA graphs are what they are for)")
     settings = _settings(adapter, decoding)
     try:
         session = _session(adapter, method, knobs, compile == "on" or (compile == "auto" and batch == 1 and
@@ -237,8 +243,9 @@ def run(
             task = progress.add_task("answering", total=total)
 
             def todo() -> Iterator[records.Request]:
-                capped = False
+                capped, warned = False, set()
                 for req in records.read(source, base):
+                    _warn_unknown(req, warned)
                     if records.answer_key(req) in skip:
                         progress.advance(task)
                         continue
@@ -297,6 +304,22 @@ def _memory_failed(exc: Exception, cold_on_error: bool) -> None:
               highlight=False)
 
 
+def _check_loading(device: str, dtype: str, attn: str) -> None:
+    try:
+        check_loading(device, dtype, attn)
+    except ValueError as exc:
+        fail(str(exc))
+
+
+def _warn_unknown(req: records.Request, warned: set[str]) -> None:
+    """Each key a record has and recap ignores, once a run: `"images": [...]` or `"Question"` must not pass as a
+    caption or a text-only answer without a word."""
+    for key in req.unknown:
+        if key not in warned:
+            warned.add(key)
+            err.print(f"[yellow]warning:[/] line {req.line}: {escape(records.unknown_key(key))}", highlight=False)
+
+
 def _stopped_by(held: list[int]) -> int | None:
     """The exit code of the first stop signal held back, if any (as if it had ended the run)."""
     return {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}.get(held[0]) if held else None
@@ -328,7 +351,7 @@ def compare(
                                 "recap:mixing=fixed, recap:orders=1, recap:suffix=off, recap:budget=16, "
                                 "tr:budget=auto, pld:budget=10"),
     model: str = typer.Option("demo", "--model", "-m", help="short name, hub repo id or local directory"),
-    root: Optional[Path] = typer.Option(None, help="folder relative image paths start from [default: each "
+    root: Optional[Path] = typer.Option(None, help="folder relative image paths start from \\[default: each "
                                         "input file's folder; the working directory for stdin]"),
     max_new_tokens: int = typer.Option(200, min=1),
     warmup: int = typer.Option(1, min=0, help="inputs run untimed through every method first"),
@@ -339,9 +362,9 @@ def compare(
                                 "fastest kept (batch 1): steadier per-input speedups (p10) on a busy machine"),
     report_dir: Optional[Path] = typer.Option(None, "--report", help="write report.md and speedups.png here"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the summary and every measurement here"),
-    device: str = typer.Option("auto"),
-    dtype: str = typer.Option("auto"),
-    attn: str = typer.Option("sdpa"),
+    device: str = typer.Option("auto", help="auto, cpu or cuda"),
+    dtype: str = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32"),
+    attn: str = typer.Option("sdpa", help="attention kernel: sdpa or eager"),
     offline: bool = typer.Option(False, help="never ask the hub; use the local cache only (also HF_HUB_OFFLINE=1)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress or info lines on stderr (the result "
                                "tables and errors still print)"),
@@ -355,16 +378,14 @@ def compare(
     generation_config: str = GENERATION_CONFIG,
     prefix_cache: Optional[int] = typer.Option(None, "--prefix-cache", min=0, help="MB of prefill results every "
                                                "method keeps for reuse (0: off; a method's own: ar:prefix=0) "
-                                               "[default: as recap run]"),
+                                               "\\[default: as recap run]"),
 ) -> None:
     """Run every method on the same inputs, interleaved, and report speedups over the baseline.
 
     stdout gets one JSON line per (input, method) measurement; the tables go to stderr. Exit 1 when a method's
     tokens differ from the baseline's, or when a method failed on an input another method answered."""
     _set_output(quiet)
-    from . import compare as comparison
-    from .decoding import sampling
-
+    _check_loading(device, dtype, attn)
     if repeats > 1 and batch > 1:
         fail("--repeats times one request at a time; a batch is timed by its wall time over the whole dataset "
              "(use --batch 1, or run the comparison again)")
@@ -372,23 +393,33 @@ def compare(
     if report_dir is not None and (str(report_dir) == "-" or report_dir.exists() and not report_dir.is_dir()):
         fail(f"--report {report_dir}: name a folder (for report.md and speedups.png)")
     labels = list(dict.fromkeys([baseline] + [m.strip() for m in methods.split(",") if m.strip()]))
+    if len(labels) < 2:
+        fail(f"--methods names no method besides the baseline ({baseline}): nothing to compare it with")
     try:
         for label in labels:
-            comparison.parse_method(label)
+            parse_method(label)
     except ValueError as exc:
         fail(str(exc))
     decoding = _decoding_asked(generation_config, temperature=temperature, top_p=top_p, top_k=top_k,
                                repetition_penalty=repetition_penalty, seed=seed)
     folder = _image_root(root)
-    requests = []
+    requests, warned = [], set()
     for path in inputs:
         source, base, _ = _open_inputs(str(path))
         for req in records.read(source, folder or base):
+            _warn_unknown(req, warned)
             req.dataset = req.dataset or path.stem
             requests.append(req)
     if not requests:  # an empty file: no table, no rows, and a 0 that says all is well
         fail(f"no requests in {', '.join(map(str, inputs))}: nothing to compare")
+    datasets = {req.dataset for req in requests}
+    if EVERY_DATASET in datasets and len(datasets) > 1:  # its figures would be lost under every dataset's
+        fail(f"a dataset is named '{EVERY_DATASET}', the name of the table of every dataset together: rename it "
+             "(its records' 'dataset', or its file)")
     adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
+    from . import compare as comparison
+    from .decoding import sampling
+
     settings = _settings(adapter, decoding)
     try:
         sessions = {label: comparison.make_session(adapter, label, batch, settings,
@@ -396,25 +427,38 @@ def compare(
                     for label in labels}
     except ValueError as exc:
         fail(str(exc))
-    with _progress(len(requests)) as progress:
+    rows: list[Measurement] = []  # every input measured so far: what an interrupted comparison still reports
+    stop = None
+    with safety.terminate_as_interrupt(), _progress(len(requests)) as progress:
         task = progress.add_task("comparing", total=len(requests))
 
         def emit(batch: list) -> None:
-            for row in comparison.rows_as_dicts(batch):
-                _write(sys.stdout.buffer, row)
+            with safety.whole_lines():
+                rows.extend(batch)
+                for row in comparison.rows_as_dicts(batch):
+                    _write(sys.stdout.buffer, row)
             progress.advance(task)
 
-        rows = comparison.run(sessions, requests, baseline, model, max_new_tokens, warmup, keep_memory, emit,
-                              repeats)
+        try:
+            comparison.run(sessions, requests, baseline, model, max_new_tokens, warmup, keep_memory, emit, repeats)
+        except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the inputs measured so far are still reported
+            stop = EXIT_TERMINATED if isinstance(exc, safety.Terminated) else EXIT_INTERRUPTED
+    measured = len({r.input for r in rows})
+    if stop is not None:
+        err.print(f"{'terminated' if stop == EXIT_TERMINATED else 'interrupted'} after {measured} of "
+                  f"{len(requests)} inputs" + (": the results cover those" if rows else ""), highlight=False)
+        if not rows:
+            raise typer.Exit(stop)
     summary = comparison.summarize(rows, baseline)
     report.table(summary, baseline, err)
     timed = f", fastest of {repeats} runs per input" if repeats > 1 else ""
-    header = (f"model `{model}`, {len(requests)} inputs, batch {batch}{timed}, max {max_new_tokens} new tokens, "
+    header = (f"model `{model}`, {measured} inputs" + (f" of {len(requests)} (interrupted)" if stop else "") +
+              f", batch {batch}{timed}, max {max_new_tokens} new tokens, "
               f"device {adapter.device}, dtype {str(adapter.model.dtype).removeprefix('torch.')}, "
               f"{sampling.sentence(settings)}")
     if json_out is not None:
         json_out.write_bytes(orjson.dumps({"setup": header, "baseline": baseline, "summary": summary,
-                                           "rows": comparison.rows_as_dicts(rows)},
+                                           "rows": comparison.rows_as_dicts(rows), "interrupted": stop is not None},
                                           option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
     if report_dir is not None:
         report_dir.mkdir(parents=True, exist_ok=True)
@@ -422,14 +466,16 @@ def compare(
         report.plot(summary, report_dir / "speedups.png")
         info(f"report written to {report_dir}")
     # Sampled tokens of hf come from torch's generator, not recap's draws: their mismatches are shown, not failures.
-    exempt = comparison.HF_METHODS if settings.sampling else ()
+    exempt = HF_METHODS if settings.sampling else ()
     mismatched = any(s["mismatches"] for ms in summary.values() for label, s in ms.items()
-                     if comparison.parse_method(label)[0] not in exempt)
+                     if parse_method(label)[0] not in exempt)
     failed, uneven = comparison.failures(rows)
-    _name_failures(failed, uneven, len(requests), allow_failures)
+    _name_failures(failed, uneven, measured, allow_failures)
     nothing = all(r.error is not None for r in rows)
     if nothing:  # not even --allow-failures makes an empty comparison a result
         err.print("[bold red]error:[/] every method failed on every input: nothing was compared", highlight=False)
+    if stop is not None:
+        raise typer.Exit(stop)
     raise typer.Exit(EXIT_FAILED_RECORDS if mismatched or nothing or (uneven and not allow_failures) else EXIT_OK)
 
 
@@ -544,8 +590,12 @@ def _open_inputs(inputs: str) -> tuple[IO[bytes], Path, int | None]:
     if inputs == "-":
         return sys.stdin.buffer, Path.cwd(), None
     path = Path(inputs)
-    if not path.is_file():
+    if path.is_dir():
+        fail(f"input {inputs} is a folder: name a JSONL file")
+    if not path.exists():
         fail(f"input file not found: {inputs}")
+    if not path.is_file():  # a pipe (`<(cmd)`, /dev/stdin): read once, as stdin is; image paths from here
+        return open(path, "rb"), Path.cwd(), None
     data = path.read_bytes()
     return open(path, "rb"), path.resolve().parent, sum(1 for line in data.splitlines() if line.strip())
 
@@ -553,18 +603,17 @@ def _open_inputs(inputs: str) -> tuple[IO[bytes], Path, int | None]:
 def _recap_knobs(method: str, **given) -> dict:
     knobs = {k: v for k, v in given.items() if v is not None}
     if knobs and method != "recap":
-        fail(f"--{'/--'.join(sorted(knobs))} apply to --method recap only")
-    if "orders" in knobs:
-        try:
-            knobs["orders"] = tuple(int(o) for o in knobs["orders"].split(","))
-        except ValueError:
-            fail("--orders takes a comma-separated subset of 1,2,3")
+        fail(f"--{'/--'.join(sorted(knobs))} appl{'y' if len(knobs) > 1 else 'ies'} to --method recap only")
+    for key in ("mixing", "orders"):  # checked as `recap compare`'s variants are, before the model loads
+        if key in knobs:
+            try:
+                knobs[key] = parse_knob(key, knobs[key])
+            except ValueError as exc:
+                fail(f"--{exc}")
     return knobs
 
 
 def _budget(method: str, value: str) -> int | str:
-    from .compare import parse_budget
-
     try:
         return parse_budget(method, value)
     except ValueError as exc:

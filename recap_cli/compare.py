@@ -15,25 +15,9 @@ from dataclasses import asdict, dataclass
 from .adapters import Adapter
 from .batch import answer_all, answer_with_tokens
 from .decoding.sampling import GREEDY, Settings
-from .drafters import METHODS
+from .options import EVERY_DATASET, HF_METHODS, parse_method  # noqa: F401 (parse_method: the benchmarks read it here)
 from .records import Request
 from .session import GenerateSession, Session
-
-HF_METHODS = ("hf", "hf-pld")
-
-
-def _on_off(value: str) -> bool:
-    return {"on": True, "off": False}[value]
-
-
-KNOB_PARSERS: dict[str, Callable[[str], object]] = {
-    "mixing": str, "budget": str, "depth": int, "width": int, "top_k": int, "stream_depth": int,
-    "suffix": _on_off, "calibrate": _on_off, "paced": _on_off, "early": _on_off, "prompt_rows": _on_off,
-    "skip": _on_off, "trust_decay": float,
-    "orders": lambda v: tuple(int(c) for c in v),
-    "prefix": float,  # MB of prefix cache (0: reuse off), any method of recap's engines
-}
-
 
 @dataclass
 class Measurement:
@@ -66,46 +50,6 @@ class Measurement:
     @property
     def throughput(self) -> float:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-def parse_method(spec: str) -> tuple[str, dict]:
-    """``recap:mixing=fixed:orders=1:suffix=off:budget=16`` -> ("recap", knobs); plain names have no knobs."""
-    name, *parts = spec.split(":")
-    if name not in METHODS + HF_METHODS:
-        raise ValueError(f"unknown method '{name}': use {', '.join(METHODS + HF_METHODS)}")
-    knobs = {}
-    for part in parts:
-        key, _, value = part.partition("=")
-        if key not in KNOB_PARSERS or not value:
-            raise ValueError(f"'{part}' in '{spec}': variants take {', '.join(KNOB_PARSERS)} as key=value")
-        try:
-            knobs[key] = KNOB_PARSERS[key](value)
-        except (KeyError, ValueError) as exc:
-            raise ValueError(f"bad value in '{part}' of '{spec}'") from exc
-    reuse = {"prefix_cache": knobs.pop("prefix")} if "prefix" in knobs else {}  # the session's, not a drafter's
-    if reuse and name in HF_METHODS:
-        raise ValueError(f"'{spec}': generate() keeps no prefix cache")
-    if knobs and name != "recap" and (set(knobs) != {"budget"} or name not in ("tr", "pld")):
-        raise ValueError(f"'{spec}': only recap has variants (tr and pld take budget; suffix runs as vLLM does)")
-    if "budget" in knobs:
-        knobs["budget"] = parse_budget(name, knobs["budget"])
-    return name, knobs | reuse
-
-
-def parse_budget(method: str, value: str) -> int | str:
-    """``auto`` (trees sized by measured step cost) or a number of draft nodes; Token Recycling keeps its
-    80-node template unless cut by cost (``auto``)."""
-    if method == "suffix":
-        raise ValueError("suffix sizes its drafts by SuffixDecoding's own rules: budget applies to recap, tr and pld")
-    if method not in ("recap", "tr", "pld"):
-        raise ValueError(f"{method} drafts nothing: budget applies to recap, tr and pld")
-    if value == "auto":
-        return value
-    if method == "tr":
-        raise ValueError("tr drafts its fixed 80-node template; its only budget is auto (cut by cost)")
-    if not value.isdigit():
-        raise ValueError(f"'{value}' is not auto or a number of draft nodes")
-    return int(value)
 
 
 def make_session(adapter: Adapter, spec: str, batch: int = 1,
@@ -261,8 +205,8 @@ def summarize(rows: list[Measurement], baseline: str) -> dict:
     """Per dataset (and ``all``) and per method: the paper's statistics against the baseline."""
     out: dict[str, dict] = {}
     datasets = list(dict.fromkeys(r.dataset for r in rows))
-    for dataset in datasets + (["all"] if len(datasets) > 1 else []):
-        sub = [r for r in rows if dataset == "all" or r.dataset == dataset]
+    for dataset in datasets + ([EVERY_DATASET] if len(datasets) > 1 else []):
+        sub = [r for r in rows if dataset == EVERY_DATASET or r.dataset == dataset]
         base = {r.key: r for r in sub if r.method == baseline and r.error is None}
         out[dataset] = {method: _stats([r for r in sub if r.method == method], base)
                         for method in dict.fromkeys(r.method for r in sub)}

@@ -169,7 +169,10 @@ def pick_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelError("--device cuda was asked for but no CUDA device is available")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise ModelError(f"unknown device '{device}': use auto, cpu or cuda") from exc
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -7,6 +7,7 @@ error, so every input line yields exactly one output line.
 from __future__ import annotations
 
 import codecs
+import difflib
 import os
 import struct
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ if TYPE_CHECKING:  # a type only: importing adapters would load torch, which `re
 
 CAPTION_PROMPT = "Describe this image in detail."
 SETTINGS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed")  # a record's own decoding settings
+KEYS = ("id", "image", "question", "prompt", "messages", "max_new_tokens", "dataset") + SETTINGS
 MAX_IMAGE_PIXELS = 40_000_000
 
 
@@ -41,6 +43,7 @@ class Request:
     dataset: str | None = None
     settings: dict[str, Any] = field(default_factory=dict)  # its own temperature, top_p, ... over the run's
     error: str | None = None
+    unknown: list[str] = field(default_factory=list)  # keys recap does not read (a typo drops what it meant)
 
 
 def read(source: IO[bytes], base: Path) -> Iterator[Request]:
@@ -70,7 +73,7 @@ def parse_line(raw: bytes, line: int, base: Path) -> Request:
     if not isinstance(rec, dict):
         return Request(line, line, error=f"line {line}: expected a JSON object, got {type(rec).__name__}")
     rid = rec.get("id", line)
-    req = Request(line, rid)
+    req = Request(line, rid, unknown=[key for key in rec if key not in KEYS])
     try:
         _fill(req, rec, base)
     except ValueError as exc:
@@ -85,6 +88,8 @@ def _fill(req: Request, rec: dict, base: Path) -> None:
     if image is not None:
         if not isinstance(image, str) or not image.strip():
             raise ValueError("'image' must be a file path (string) or null")
+        if image.startswith(("http://", "https://")):
+            raise ValueError("'image' is a URL: recap reads image files (download it first)")
         path = Path(image).expanduser()
         if not path.is_absolute():
             req.root, path = base, base / path
@@ -130,15 +135,29 @@ def _conversation(messages: Any) -> tuple[list[Message], list[str]]:
             raise ValueError("each message needs a non-empty string 'content'")
         parsed.append({"role": m["role"], "content": m["content"]})
     last_given = max((i for i, m in enumerate(parsed) if m["role"] == "assistant"), default=-1)
+    # System messages ahead of the turns to answer are context too (the common chat shape: system, then user).
+    while last_given + 1 < len(parsed) and parsed[last_given + 1]["role"] == "system":
+        last_given += 1
     history, tail = parsed[: last_given + 1], parsed[last_given + 1:]
-    if any(m["role"] != "user" for m in tail) or not tail:
+    if not tail:
         raise ValueError("'messages' must end with user turns to answer")
+    if any(m["role"] != "user" for m in tail):
+        raise ValueError("'messages': a system message goes before the user turns to answer, not between them")
     return history, [m["content"] for m in tail]
+
+
+def unknown_key(key: str) -> str:
+    """What to tell a user about a key recap ignores: a near miss names the key it likely meant."""
+    near = difflib.get_close_matches(key.lower(), KEYS, n=1, cutoff=0.7)
+    hint = f" (did you mean '{near[0]}'?)" if near else ""
+    return f"key '{key}' is not one recap reads: ignored{hint}"
 
 
 def load_image(path: Path, max_pixels: int = MAX_IMAGE_PIXELS, root: Path | None = None) -> Image.Image:
     """An RGB image the way it is meant to be seen (EXIF orientation applied: phone photos are stored sideways),
     or a ValueError that says what is wrong with the file; ``root`` is where a relative path was resolved."""
+    if path.is_dir():
+        raise ValueError(f"image {path} is a folder, not an image file")
     if not path.is_file():
         where = f" (a relative path, resolved against {root}; `--root` sets that folder)" if root else ""
         raise ValueError(f"image not found: {path}{where}")

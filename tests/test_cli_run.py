@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import os
+import threading
 import time
 
 import orjson
@@ -219,6 +221,39 @@ def test_answers_are_identical_across_methods(model_dirs, workdir):
         assert all(x["method"] == flags[1] for x in out)
     assert answers["recap"] == answers["ar"] == answers["tr"] == answers["pld"] == answers["recap-ablated"]
     assert len(answers["ar"][2][1]) == 2  # both turns answered
+
+
+def test_options_no_model_can_take_are_refused_before_the_model_is_looked_for(workdir):
+    """The model named does not exist: an option checked only after looking for it would say that instead (and
+    with a real name, only after a download)."""
+    (workdir / "one.jsonl").write_bytes(jsonl({"prompt": "x"}))
+    base = ["run", workdir / "one.jsonl", "--model", "no-such-model"]
+    for extra, said in ((["--dtype", "fp8"], "--dtype takes"), (["--attn", "flash"], "--attn takes"),
+                        (["--device", "tpu"], "--device takes"), (["--mixing", "foo"], "--mixing takes"),
+                        (["--orders", "4"], "--orders takes"), (["--budget", "100000"], "from 0 to 512"),
+                        (["--top-k", str(10 ** 21)], "--top-k must be"),
+                        (["--method", "tr", "--depth", "4"], "--depth applies to --method recap only")):
+        r = invoke(base + extra)
+        assert r.exit_code == 2 and said in " ".join(r.stderr.split()), (extra, r.stderr)
+
+
+def test_help_shows_the_defaults_it_names():
+    r = CliRunner().invoke(cli.app, ["run", "--help"], env={"COLUMNS": "250"})
+    assert "[default: 16 on CPU, 32 on CUDA]" in r.stdout  # rich read "[default: ...]" as a tag and dropped it
+
+
+def test_a_pipe_is_an_input_and_unknown_keys_are_warned_of_once(model_dirs, workdir):
+    fifo = workdir / "requests.fifo"
+    os.mkfifo(fifo)
+    records = jsonl({"id": 1, "Prompt": "Hi", "prompt": "Hello"}, {"id": 2, "prompt": "Hey", "Prompt": "x"})
+    writer = threading.Thread(target=fifo.write_bytes, args=(records,))
+    writer.start()
+    r = invoke(["run", fifo, "--model", model_dirs["text"], "--max-new-tokens", 3])
+    writer.join()
+    assert r.exit_code == 0, r.stderr
+    assert [x["id"] for x in lines(r.stdout)] == [1, 2]
+    warned = " ".join(r.stderr.split())
+    assert warned.count("key 'Prompt' is not one recap reads") == 1 and "did you mean 'prompt'?" in warned
 
 
 def test_image_goes_to_the_first_user_turn_and_later_turns_see_answers(get_adapter, workdir):

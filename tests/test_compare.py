@@ -63,9 +63,22 @@ def test_method_specs():
     assert parse_method("tr:budget=auto") == ("tr", {"budget": "auto"})
     assert parse_method("pld:budget=10") == ("pld", {"budget": 10})
     assert parse_method("recap:budget=auto") == ("recap", {"budget": "auto"})
+    assert parse_method("recap:budget=512:top_k=1:width=1:depth=1") == (
+        "recap", {"budget": 512, "top_k": 1, "width": 1, "depth": 1})
+    assert parse_method("ar:prefix=0") == ("ar", {"prefix_cache": 0.0})
     for bad in ("warp", "recap:speed=9", "tr:budget=3", "recap:suffix=maybe", "tr:depth=3", "ar:budget=4",
                 "recap:budget=many"):
         with pytest.raises(ValueError):
+            parse_method(bad)
+    # Values no drafter can take are refused here, each naming its key, not found mid-run as a traceback.
+    for bad, said in (("recap:top_k=0", "top_k takes"), ("recap:top_k=-1", "top_k takes"),
+                      ("recap:depth=0", "depth takes"), ("recap:width=0", "width takes"),
+                      ("recap:stream_depth=0", "stream_depth takes an integer from 1 to 63"),
+                      ("recap:orders=", "orders takes"), ("recap:orders=4", "orders takes"),
+                      ("recap:mixing=foo", "mixing takes"), ("recap:trust_decay=0", "trust_decay takes"),
+                      ("recap:budget=100000", "from 0 to 512"), ("pld:budget=513", "from 0 to 512"),
+                      ("ar:prefix=-1", "prefix takes")):
+        with pytest.raises(ValueError, match=said):
             parse_method(bad)
 
 
@@ -332,3 +345,47 @@ def test_compare_resolves_images_from_root_and_an_empty_comparison_exits_1(model
     (tmp_path / "empty.jsonl").write_bytes(b"")
     empty = CliRunner().invoke(cli.app, ["compare", str(tmp_path / "empty.jsonl"), "--model", "no-such-model"])
     assert empty.exit_code == 2 and "nothing to compare" in " ".join(empty.stderr.split()), empty.stderr
+
+
+def test_compare_usage_errors_come_before_the_model(tmp_path):
+    """An empty method list, and a dataset named as the table of every dataset is, are refused before any model
+    is looked for (the model named here does not exist: reaching it would say so instead)."""
+    rec = {"id": "a", "prompt": "Hi"}
+    (tmp_path / "x.jsonl").write_bytes(orjson.dumps(rec) + b"\n" + orjson.dumps({**rec, "dataset": "all"}) + b"\n")
+    base = ["compare", str(tmp_path / "x.jsonl"), "--model", "no-such-model"]
+    for methods in ("", ",", "ar"):
+        r = CliRunner().invoke(cli.app, base + ["--methods", methods])
+        assert r.exit_code == 2 and "nothing to compare it with" in " ".join(r.stderr.split()), r.stderr
+    r = CliRunner().invoke(cli.app, base + ["--methods", "recap"])
+    assert r.exit_code == 2 and "a dataset is named 'all'" in " ".join(r.stderr.split()), r.stderr
+    r = CliRunner().invoke(cli.app, base + ["--methods", "recap:top_k=0"])
+    assert r.exit_code == 2 and "top_k takes" in r.stderr and "Traceback" not in r.stderr
+    r = CliRunner().invoke(cli.app, base + ["--methods", "recap", "--dtype", "fp8"])
+    assert r.exit_code == 2 and "--dtype takes" in r.stderr
+
+
+def test_an_interrupted_comparison_still_reports_the_inputs_it_measured(model_dirs, tmp_path, monkeypatch):
+    """Ctrl-C after the first input: its rows, the tables and --json are kept, marked interrupted, exit 130."""
+    real = comparison.run
+
+    def first_then_ctrl_c(sessions, requests, *args):
+        emit = args[5]
+
+        def interrupt_after_one(batch):
+            emit(batch)
+            raise KeyboardInterrupt
+
+        return real(sessions, requests, *args[:5], interrupt_after_one, *args[6:])
+
+    monkeypatch.setattr(comparison, "run", first_then_ctrl_c)
+    (tmp_path / "in.jsonl").write_bytes(b"".join(orjson.dumps({"id": f"t{i}", "prompt": f"Say {i}"}) + b"\n"
+                                                for i in range(3)))
+    r = CliRunner().invoke(cli.app, ["compare", str(tmp_path / "in.jsonl"), "--model", str(model_dirs["text"]),
+                                     "--methods", "recap", "--max-new-tokens", "4", "--warmup", "0",
+                                     "--json", str(tmp_path / "c.json")])
+    assert r.exit_code == 130, r.stderr
+    assert "interrupted after 1 of 3 inputs" in " ".join(r.stderr.split())
+    assert [orjson.loads(x)["id"] for x in r.stdout.splitlines()] == ["t0", "t0"]
+    data = orjson.loads((tmp_path / "c.json").read_bytes())
+    assert data["interrupted"] is True and data["summary"]["in"]["recap"]["inputs"] == 1
+    assert "1 inputs of 3 (interrupted)" in data["setup"]

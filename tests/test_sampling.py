@@ -385,7 +385,7 @@ def test_run_says_its_settings_and_a_seed_reproduces_it(model_dirs, tmp_path):
     assert a["decoding"] == {"do_sample": True, "temperature": 0.7, "top_k": 50, "top_p": 1.0,
                              "repetition_penalty": 1.0, "seed": seed}
     assert b["decoding"] == {"do_sample": False, "repetition_penalty": 1.0}  # its own temperature 0: greedy
-    assert c["error"] == "'top_k' must be an integer >= 0 (0 is off)"
+    assert c["error"] == "'top_k' must be an integer from 0 (off) to 2**31 - 1"
     assert d["decoding"]["seed"] == 7 and d["decoding"]["top_k"] == 0
     summary = orjson.loads((tmp_path / "s.json").read_bytes())
     assert summary["decoding"] == a["decoding"] and f"seed {seed}" in first.stderr
