@@ -621,8 +621,14 @@ def _budget(method: str, value: str) -> int | str:
 
 
 def _sink(output: Path | None, resume: bool):
-    """Where records go: --output (appended to when resuming), else stdout."""
-    return open(output, "ab" if resume else "wb") if output else nullcontext(sys.stdout.buffer)
+    """Where records go: --output (appended to when resuming), else stdout. A path the checks before the model
+    passed can still refuse to open (a special file system such as /proc): one sentence, not a traceback."""
+    if not output:
+        return nullcontext(sys.stdout.buffer)
+    try:
+        return open(output, "ab" if resume else "wb")
+    except OSError as exc:
+        fail(f"-o {output}: cannot write it ({exc.strerror or exc})")
 
 
 class _LateSink:

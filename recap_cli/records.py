@@ -69,7 +69,8 @@ def parse_line(raw: bytes, line: int, base: Path) -> Request:
     try:
         rec = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        return Request(line, line, error=f"line {line}: not valid JSON ({exc})")
+        # The position within this input line (orjson counts a stray carriage return as a line of its own).
+        return Request(line, line, error=f"line {line}: not valid JSON ({exc.msg}, at column {exc.pos + 1})")
     if not isinstance(rec, dict):
         return Request(line, line, error=f"line {line}: expected a JSON object, got {type(rec).__name__}")
     rid = rec.get("id", line)
