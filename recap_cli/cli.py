@@ -404,7 +404,11 @@ def compare(
                                repetition_penalty=repetition_penalty, seed=seed)
     folder = _image_root(root)
     requests, warned = [], set()
+    stems = {}
     for path in inputs:
+        if stems.setdefault(path.stem, path) != path:  # said, since a table per file is what most expect
+            _warn(f"{stems[path.stem]} and {path} are one dataset, '{path.stem}' (named by file): their inputs share "
+                  "its table (a 'dataset' field in the records keeps them apart)")
         source, base, _ = _open_inputs(str(path))
         for req in records.read(source, folder or base):
             _warn_unknown(req, warned)

@@ -362,6 +362,10 @@ def test_compare_usage_errors_come_before_the_model(tmp_path):
     assert r.exit_code == 2 and "top_k takes" in r.stderr and "Traceback" not in r.stderr
     r = CliRunner().invoke(cli.app, base + ["--methods", "recap", "--dtype", "fp8"])
     assert r.exit_code == 2 and "--dtype takes" in r.stderr
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "x.jsonl").write_bytes(orjson.dumps(rec) + b"\n")
+    r = CliRunner().invoke(cli.app, base[:2] + [str(tmp_path / "b" / "x.jsonl")] + base[2:] + ["--methods", "recap"])
+    assert r.exit_code == 2 and "are one dataset, 'x'" in " ".join(r.stderr.split()), r.stderr
 
 
 def test_an_interrupted_comparison_still_reports_the_inputs_it_measured(model_dirs, tmp_path, monkeypatch):
