@@ -12,6 +12,7 @@ table and writes JSON; acceptance is a property of the drafts, not of the clock.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -117,14 +118,15 @@ def run(model: str, inputs: list[Path], variants: list[str], max_new_tokens: int
         steps = sum(g.steps for g in gens)
         emitted = sum(len(g.tokens) - g.prefill_tokens for g in gens)  # the prefills' tokens come from no step
         after_first = sum(len(g.tokens) - 1 for g in gens)  # what the steps and the prefills' drafts gave
-        results[name] = {
-            "tokens_per_step": emitted / steps,
+        rates = [(len(g.tokens) - 1) / g.decode_s for g in gens if g.decode_s]
+        results[name] = {  # nan where no step ran (short answers the prefill's own draft gave whole)
+            "tokens_per_step": _per(emitted, steps),
             "prefill_drafted": after_first - emitted,  # drafted tokens a prefill verified (RECAP's first tree)
-            "draft_ms_per_step": 1000 * sum(g.draft_s for g in gens) / steps,
-            "verify_ms_per_step": 1000 * sum(g.verify_s for g in gens) / steps,
-            "nodes_per_step": sum(g.tree_nodes for g in gens) / steps,
-            "modelled_step_ms": 1000 * sum(step_costs) / len(step_costs) if costs == "h200" else None,
-            "median_decode_tok_s": statistics.median((len(g.tokens) - 1) / g.decode_s for g in gens if g.decode_s),
+            "draft_ms_per_step": _per(1000 * sum(g.draft_s for g in gens), steps),
+            "verify_ms_per_step": _per(1000 * sum(g.verify_s for g in gens), steps),
+            "nodes_per_step": _per(sum(g.tree_nodes for g in gens), steps),
+            "modelled_step_ms": _per(1000 * sum(step_costs), len(step_costs)) if costs == "h200" else None,
+            "median_decode_tok_s": statistics.median(rates) if rates else math.nan,
             "wall_s": wall,
             "matches_ar": tokens == reference,
             "by_source": dict(sum((g.by_source for g in gens), start=type(gens[0].by_source)())),
@@ -147,6 +149,10 @@ def run(model: str, inputs: list[Path], variants: list[str], max_new_tokens: int
             "max_new_tokens": max_new_tokens, "threads": torch.get_num_threads(), "results": results}
 
 
+def _per(total: float, count: int) -> float:
+    return total / count if count else math.nan
+
+
 def _modelled_step_costs(engine) -> list[float]:
     """What the engine's cost model says each verification step costs, appended as the steps happen."""
     out, verify = [], engine.verify
@@ -160,7 +166,7 @@ def _modelled_step_costs(engine) -> list[float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-Instruct, converted)")
     ap.add_argument("--inputs", type=Path, nargs="+", default=[Path("sample_inputs/bench/text_prompts.jsonl")])
     ap.add_argument("--methods", default=",".join(VARIANTS))

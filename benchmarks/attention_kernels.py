@@ -77,7 +77,7 @@ def run_variant(adapter, reqs: list, kernels, max_new_tokens: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--limit", type=int, default=8, help="requests of each demo set")
     ap.add_argument("--max-new-tokens", type=int, default=96)

@@ -108,7 +108,7 @@ def megabytes(text: str) -> str | float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--model", default="demo")
     ap.add_argument("--inputs", nargs="+", type=Path, required=True)
     ap.add_argument("--limit", type=int, default=None, help="requests per input file")

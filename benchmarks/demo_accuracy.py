@@ -76,7 +76,7 @@ def print_table(result: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", default="demo")
     p.add_argument("--scenes", type=int, default=60)
     p.add_argument("--json", type=Path, default=Path("runs/demo_accuracy.json"))

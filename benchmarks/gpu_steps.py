@@ -138,7 +138,7 @@ def batched_costs(adapter: Adapter, prompt: Prompt, max_batch: int) -> dict[str,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--shapes", default="vicuna-7b,qwen2.5-vl-7b")
     ap.add_argument("--prefix", type=int, default=0, help="prompt length (default: 2200 vicuna, 477 qwen)")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens for the ms/token measurements")

@@ -96,7 +96,7 @@ def instructions(code: Path, path: Path, run: bool) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--model", default="demo")
     ap.add_argument("--inputs", nargs="+",
                     default=[f"sample_inputs/bench/demo_{s}.jsonl" for s in ("caption", "vqa", "multiturn")])

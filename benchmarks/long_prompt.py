@@ -103,7 +103,7 @@ def timed(adapter: Adapter, spec: str, batch: int, reqs: list[Request], max_new_
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--model", default="demo")
     ap.add_argument("--short", type=int, default=64, help="short requests after the long prompt")
     ap.add_argument("--long-tokens", type=int, default=2046)

@@ -263,7 +263,7 @@ def projection() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--model", default="demo")
     ap.add_argument("--method", default="recap")
     ap.add_argument("--sets", default="grouped,multiturn,caption")

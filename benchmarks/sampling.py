@@ -40,7 +40,7 @@ def parse_setting(spec: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--model", default="demo")
     ap.add_argument("--inputs", nargs="+", type=Path, required=True)
     ap.add_argument("--methods", default="recap,recap:budget=16,tr,pld,pld:budget=10")

@@ -46,7 +46,7 @@ def once(tree: Path, args: list[str], report: bool = False) -> tuple[float, str]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--trees", type=Path, nargs="+", default=[Path(".")])
     p.add_argument("--json", type=Path)

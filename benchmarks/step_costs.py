@@ -56,7 +56,7 @@ def measure(model: str, sizes: list[int], lengths: list[int], reps: int) -> dict
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--model", default="demo")
     ap.add_argument("--sizes", default="1,2,3,4,6,8,12,16,32,64")
     ap.add_argument("--prefill-words", default="40,400,1500", help="prompt lengths to prefill, in words")

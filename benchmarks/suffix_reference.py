@@ -13,6 +13,7 @@ built) and numpy; docs/suffix-decoding.md says how to build just that part in tw
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -80,7 +81,7 @@ def replay(turns: list[dict], banned: int | None, depth: int = 24) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--arctic", type=Path, required=True, help="folder with arctic_inference (built) and numpy")
     ap.add_argument("--model", default="demo")
     ap.add_argument("--inputs", type=Path, nargs="+",
@@ -90,6 +91,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     sys.path.insert(0, str(args.arctic))
+    if importlib.util.find_spec("arctic_inference") is None:  # before the recording pass, not after it
+        raise SystemExit(f"--arctic {args.arctic}: no importable arctic_inference there")
     turns, banned = record(args.model, args.inputs, args.limit, args.max_new_tokens)
     out = replay(turns, banned)
     print(f"{out['steps']} steps over {out['turns']} turns: {out['same_drafts']} drafts identical to the reference "

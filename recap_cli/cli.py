@@ -353,7 +353,8 @@ def compare(
     model: str = typer.Option("demo", "--model", "-m", help="short name, hub repo id or local directory"),
     root: Optional[Path] = typer.Option(None, help="folder relative image paths start from \\[default: each "
                                         "input file's folder; the working directory for stdin]"),
-    max_new_tokens: int = typer.Option(200, min=1),
+    max_new_tokens: int = typer.Option(200, min=1, help="new tokens per input (a record's own max_new_tokens "
+                                       "goes first)"),
     warmup: int = typer.Option(1, min=0, help="inputs run untimed through every method first"),
     keep_memory: bool = typer.Option(False, help="keep drafter memory across datasets (default: clear it)"),
     batch: int = typer.Option(1, min=1, help="requests decoding together for every method (recap run --batch); "
@@ -694,7 +695,7 @@ def _report(totals: Totals, summary: Path | None, stop: int | None, extra: dict 
         info(f"{s['items']} items, {s['errors']} errors: nothing was answered{note}")
     if "workers" in s:
         restarts = f" ({s['restarts']} restarted)" if s["restarts"] else ""
-        info(f"{s['workers']} workers{restarts}")
+        info(f"{s['workers']} worker{'s' if s['workers'] != 1 else ''}{restarts}")
     if summary is not None:
         summary.write_bytes(orjson.dumps({**s, "interrupted": interrupted}, option=orjson.OPT_INDENT_2))
 
