@@ -18,6 +18,7 @@ import torch
 from .adapters import Adapter, Gemma3Adapter, LlavaNextAdapter, QwenVLAdapter, VisionAdapter
 from .decoding import compat
 from .decoding.compat import hub_network_errors
+from .options import check_loading
 from .records import first_line
 from .registry import DEMO_MODEL, FAMILIES, REGISTRY, SKIP_FILES, cached, on_disk  # noqa: F401 - re-exported
 
@@ -169,17 +170,12 @@ def pick_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelError("--device cuda was asked for but no CUDA device is available")
-    try:
-        return torch.device(device)
-    except RuntimeError as exc:
-        raise ModelError(f"unknown device '{device}': use auto, cpu or cuda") from exc
+    return torch.device(device)
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ModelError(f"unknown dtype '{dtype}': use auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
@@ -197,10 +193,12 @@ def freeze_loaded() -> None:
 def load(name: str, device: str = "auto", dtype: str = "auto", attn: str = "sdpa", offline: bool = False,
          progress: bool = False, notify: Callable[[str], None] | None = None) -> Adapter:
     """Load model + processor (downloading them first if needed) and wrap them in their architecture's adapter."""
+    try:
+        check_loading(device, dtype, attn)  # the names the command line checks before it loads anything
+    except ValueError as exc:
+        raise ModelError(str(exc)) from None
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    if attn not in ("sdpa", "eager"):
-        raise ModelError("attention must be sdpa or eager: tree masks cannot go through flash-attention kernels")
     source = locate(name, offline=offline, progress=progress, notify=notify)
     try:
         with _no_loading_bars():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from recap_cli.adapters import Adapter, LlavaNextAdapter, QwenVLAdapter
-from recap_cli.models import REGISTRY, ModelError, load, resolve
+from recap_cli.models import DTYPES, REGISTRY, ModelError, load, resolve
+from recap_cli.options import DTYPE_NAMES
 
 from .hub import fake_hub, hub_cache, http_error, put_in_cache  # noqa: F401 - fixtures
 
@@ -195,3 +196,12 @@ def test_a_torchvision_that_does_not_match_torch_is_named_with_the_fix(model_dir
     assert "operator torchvision::nms does not exist" in message and "install a matching pair" in message
     assert "download.pytorch.org/whl/cpu" in message and "AutoProcessor" not in message
     assert len(message.splitlines()) == 1
+
+
+def test_load_refuses_what_the_command_line_refuses_before_looking_for_the_model():
+    """One check for both: the command line's (torch-free, before a download) is the library's too."""
+    assert DTYPE_NAMES == ("auto", *DTYPES)
+    for how, said in ((dict(attn="flash_attention_2"), "--attn takes"), (dict(dtype="fp8"), "--dtype takes"),
+                      (dict(device="tpu"), "--device takes")):
+        with pytest.raises(ModelError, match=said):
+            load("no-such-model", **how)
