@@ -93,7 +93,21 @@ def answer_with_tokens(session: Session | GenerateSession, req: Request, model: 
     except StopIteration as done:
         return done.value
     except (ValueError, RuntimeError) as exc:  # bad image, image given to a text model, out of memory, ...
-        return error_record(req, session.method, model, failure(exc)), []
+        return _failed(turns, req, session.method, model, exc)
+
+
+def _failed(turns: Generator[Ask, Generation, Answered], req: Request, method: str, model: str,
+            exc: Exception) -> Answered:
+    """A request's record after ``exc``. It is thrown into the conversation where it waits for a turn (being
+    prepared or decoded), so that the record keeps the turns answered before it (``_turns``); a failure before any
+    turn was asked (its image) was raised by the conversation itself and gives the plain error record."""
+    try:
+        turns.throw(exc)
+    except StopIteration as done:
+        return done.value
+    except Exception:  # noqa: BLE001 - not waiting for a turn (never started, or ended): exc came straight back
+        pass
+    return error_record(req, method, model, failure(exc)), []
 
 
 def failure(exc: BaseException) -> str:
@@ -127,7 +141,10 @@ def _turns(adapter: Adapter, req: Request, method: str, model: str, max_new_toke
         image_pending = False
         messages = [as_parts(m) for m in conversation] if adapter.supports_images else conversation
         picker = None if settings.plain else Picker(settings, request_key(req.line, req.id), i)
-        gen = yield messages, images, max_new_tokens, picker
+        try:
+            gen = yield messages, images, max_new_tokens, picker
+        except Exception as exc:  # noqa: BLE001 - this turn's failure, thrown in by ``_failed``
+            return turn_error_record(req, method, model, failure(exc), answers, gens, settings), []
         text = adapter.decode(gen.tokens)
         answers.append(text)
         gens.append(gen)
@@ -171,8 +188,9 @@ class Conversation:
         self.asked += 1
         return Turn(prompt, limit, self.asked < len(self.req.turns), picker)
 
-    def failed(self, exc: BaseException) -> Answered:
-        return error_record(self.req, self.session.method, self.model, failure(exc)), []
+    def failed(self, exc: Exception) -> Answered:
+        """The record of a turn that failed, keeping the turns answered before it (see ``_failed``)."""
+        return _failed(self.turns, self.req, self.session.method, self.model, exc)
 
 
 def answer_all(session: Session | GenerateSession, requests: Iterable[Request], model: str,
@@ -360,4 +378,18 @@ def error_record(req: Request, method: str, model: str, error: str) -> dict:
     record = {"id": req.id, "line": req.line, "answer": None, "method": method, "model": model, "error": error}
     if req.dataset is not None:
         record["dataset"] = req.dataset
+    return record
+
+
+def turn_error_record(req: Request, method: str, model: str, error: str, answers: list[str],
+                      gens: list[Generation], settings: Settings = GREEDY) -> dict:
+    """The error record of a turn that failed. In a conversation the error names the turn, and the turns answered
+    before it stay (their ``answers``, how many, their new tokens and how they were chosen): a later turn that
+    outgrows the context must not cost the answers already decoded. ``answer`` stays None: the last turn has none."""
+    if len(req.turns) == 1:
+        return error_record(req, method, model, error)
+    record = error_record(req, method, model, f"turn {len(answers) + 1} of {len(req.turns)}: {error}")
+    if answers:
+        record.update(answers=answers, turns=len(gens), new_tokens=sum(len(g.tokens) for g in gens),
+                      decoding=settings.describe())
     return record

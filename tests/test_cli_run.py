@@ -302,3 +302,94 @@ def test_a_failed_compile_falls_back_to_eager(model_dirs, workdir, monkeypatch):
     r = invoke(["run", path, "--model", model_dirs["text"], "--compile", "on", "--max-new-tokens", 3])
     assert r.exit_code == 0 and "decoding eagerly" in r.stderr
     assert lines(r.stdout)[0]["new_tokens"] == 3
+
+
+# --- a conversation whose later turn fails keeps the turns before it ---------------------------------------------
+
+LONG = "word " * 100  # about 400 tokens: past the 64 positions below, with or without the turns before it
+
+
+def conversations() -> list:
+    from recap_cli.records import Request
+
+    return [Request(1, "alone", turns=["Hi."], max_new_tokens=5),  # turn 1's answer, asked on its own
+            Request(2, "grows", turns=["Hi.", LONG, "And then?"], max_new_tokens=5),
+            Request(3, "fits", turns=["Hi.", "Thanks."], max_new_tokens=5),
+            Request(4, "first", turns=[LONG, "Hi."], max_new_tokens=5)]
+
+
+def test_a_later_turn_that_outgrows_the_context_keeps_the_answers_before_it(get_adapter, monkeypatch):
+    """Turn 2 of 3 outgrows the model's 64 positions: the error record names the turn and keeps turn 1's answer,
+    token for token what that question gets alone, and its count; the same record at batch 1 (the run's loop and
+    ``answer``) and in flight with others, where the requests beside it answer as ever."""
+    from recap_cli.batch import answer, answer_all
+
+    adapter = get_adapter("text")
+    monkeypatch.setattr(adapter.model.config, "max_position_embeddings", 64)
+    for method in ("ar", "recap"):
+        want = None
+        for batch in (1, 2, 4):
+            out = list(answer_all(Session(adapter, method, batch=batch), conversations(), "m", 5))
+            (alone, alone_tokens), (grows, grows_tokens), (fits, _), (first, _) = out
+            assert alone["error"] is None and fits["error"] is None and len(fits["answers"]) == 2
+            assert grows["error"].startswith("turn 2 of 3: the prompt is") and "reads at most 64" in grows["error"]
+            assert grows["answer"] is None and grows["answers"] == [alone["answer"]] and grows_tokens == []
+            assert grows["turns"] == 1 and grows["new_tokens"] == len(alone_tokens[0]) == alone["new_tokens"]
+            assert grows["decoding"] == alone["decoding"]
+            assert first["error"].startswith("turn 1 of 2: the prompt is") and "answers" not in first
+            want = want or [grows, first]
+            assert [grows, first] == want, (method, batch)
+        assert [answer(Session(adapter, method), r, "m", 5) for r in conversations()[1::2]] == want, method
+
+
+
+def test_a_runtime_failure_at_a_later_turn_keeps_the_turns_before_it(get_adapter, monkeypatch):
+    """Out of memory while turn 2 decodes, at batch 1 (``answer`` and the run's loop alike)."""
+    from recap_cli.batch import answer, answer_all
+    from recap_cli.records import Request
+
+    session = Session(get_adapter("text"), "ar")
+    alone = answer(session, Request(1, "alone", turns=["Hi."]), "m", 4)
+    real, calls = Session.decode, []
+
+    def oom_at_the_second(self, *args):
+        calls.append(1)
+        if len(calls) % 2 == 0:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 9 GiB")
+        return real(self, *args)
+
+    monkeypatch.setattr(Session, "decode", oom_at_the_second)
+    req = Request(2, "two", turns=["Hi.", "And then?"])
+    for rec in (answer(session, req, "m", 4), next(answer_all(session, [req], "m", 4))[0]):
+        assert rec["error"] == "turn 2 of 2: RuntimeError: CUDA out of memory. Tried to allocate 9 GiB"
+        assert rec["answers"] == [alone["answer"]] and rec["new_tokens"] == alone["new_tokens"]
+
+@pytest.fixture(scope="module")
+def short_text_model(model_dirs, tmp_path_factory):
+    """The tiny text model, told it has 64 positions (RoPE weights do not depend on it)."""
+    import json
+    import shutil
+
+    d = tmp_path_factory.mktemp("short") / "model"
+    shutil.copytree(model_dirs["text"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["max_position_embeddings"] = 64
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_recap_run_keeps_the_turns_answered_before_one_that_fails(short_text_model, workdir, batch):
+    """Through the command line: the record keeps turn 1's answer and names turn 2; the run exits 1, and
+    ``--resume`` counts the record as done, as it does every error record."""
+    path, out = workdir / f"turns{batch}.jsonl", workdir / f"turns{batch}.out.jsonl"
+    path.write_bytes(jsonl({"id": "alone", "prompt": "Hi."},
+                           {"id": "grows", "messages": [{"role": "user", "content": t} for t in ("Hi.", LONG)]}))
+    args = ["run", path, "--model", short_text_model, "-o", out, "--max-new-tokens", 5, "--batch", batch]
+    r = invoke(args)
+    alone, grows = lines(out.read_text())
+    assert r.exit_code == 1 and alone["error"] is None
+    assert grows["error"].startswith("turn 2 of 2: the prompt is") and grows["answers"] == [alone["answer"]]
+    assert grows["new_tokens"] == alone["new_tokens"] and grows["turns"] == 1 and grows["answer"] is None
+    r = invoke(args + ["--resume"])
+    assert r.exit_code == 0 and len(lines(out.read_text())) == 2  # nothing left to answer
