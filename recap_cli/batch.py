@@ -92,7 +92,7 @@ def answer_with_tokens(session: Session | GenerateSession, req: Request, model: 
             ask = turns.send(session.answer(messages, images, limit, **({"picker": picker} if picker else {})))
     except StopIteration as done:
         return done.value
-    except (ValueError, RuntimeError) as exc:  # bad image, image given to a text model, out of memory, ...
+    except Exception as exc:  # noqa: BLE001 - bad image, out of memory, a bug: its record's, as in a batch
         return _failed(turns, req, session.method, model, exc)
 
 
@@ -236,8 +236,8 @@ def _one_at_a_time(session: Session | GenerateSession, requests: Iterable[Reques
         while isinstance(step, Turn):
             try:
                 gen = session.decode(step.prompt, step.limit, step.picker)
-            except (ValueError, RuntimeError) as exc:  # out of memory on one huge input, ...
-                step = chat.failed(exc)
+            except Exception as exc:  # noqa: BLE001 - out of memory on one huge input, a bug: as in a batch,
+                step = chat.failed(exc)  # the record's failure, never the run's
                 break
             step = preparer.call(chat.advance, gen)
         yield step

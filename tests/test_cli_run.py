@@ -364,6 +364,32 @@ def test_a_runtime_failure_at_a_later_turn_keeps_the_turns_before_it(get_adapter
         assert rec["error"] == "turn 2 of 2: RuntimeError: CUDA out of memory. Tried to allocate 9 GiB"
         assert rec["answers"] == [alone["answer"]] and rec["new_tokens"] == alone["new_tokens"]
 
+
+def test_an_unexpected_failure_at_batch_1_fails_its_record_not_the_run(get_adapter, monkeypatch):
+    """A bug that raises (an IndexError in a drafter) fails one record and the run goes on, at batch 1 as in a
+    batch (tests/test_batched.py): a run over thousands of inputs must not end on one of them."""
+    from recap_cli.batch import answer_all
+    from recap_cli.records import Request
+
+    session = Session(get_adapter("text"), "recap")
+    reqs = [Request(i, f"r{i}", turns=[q]) for i, q in enumerate(["Hi.", "Why?", "And then?"], 1)]
+    want = [tokens for _, tokens in answer_all(session, reqs, "m", 6)]
+    real, calls = type(session.drafter).propose, []
+
+    def propose(self, context, room):
+        calls.append(1)
+        if len(calls) == 2:
+            raise IndexError("drafter bug")
+        return real(self, context, room)
+
+    monkeypatch.setattr(type(session.drafter), "propose", propose)
+    out = list(answer_all(Session(get_adapter("text"), "recap"), reqs, "m", 6))
+    failed = [i for i, (record, _) in enumerate(out) if record["error"]]
+    assert len(failed) == 1 and out[failed[0]][0]["error"] == "IndexError: drafter bug"
+    assert [tokens for i, (_, tokens) in enumerate(out) if i not in failed] == [
+        tokens for i, tokens in enumerate(want) if i not in failed]
+
+
 @pytest.fixture(scope="module")
 def short_text_model(model_dirs, tmp_path_factory):
     """The tiny text model, told it has 64 positions (RoPE weights do not depend on it)."""
