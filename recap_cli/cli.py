@@ -245,7 +245,7 @@ def run(
             def todo() -> Iterator[records.Request]:
                 capped, warned = False, set()
                 for req in records.read(source, base):
-                    _warn_unknown(req, warned)
+                    _warn_unknown(req.line, req.unknown, warned)
                     if records.answer_key(req) in skip:
                         progress.advance(task)
                         continue
@@ -311,13 +311,13 @@ def _check_loading(device: str, dtype: str, attn: str) -> None:
         fail(str(exc))
 
 
-def _warn_unknown(req: records.Request, warned: set[str]) -> None:
+def _warn_unknown(line: int, keys: list[str], warned: set[str]) -> None:
     """Each key a record has and recap ignores, once a run: `"images": [...]` or `"Question"` must not pass as a
     caption or a text-only answer without a word."""
-    for key in req.unknown:
+    for key in keys:
         if key not in warned:
             warned.add(key)
-            err.print(f"[yellow]warning:[/] line {req.line}: {escape(records.unknown_key(key))}", highlight=False)
+            err.print(f"[yellow]warning:[/] line {line}: {escape(records.unknown_key(key))}", highlight=False)
 
 
 def _stopped_by(held: list[int]) -> int | None:
@@ -412,7 +412,7 @@ def compare(
                   "its table (a 'dataset' field in the records keeps them apart)")
         source, base, _ = _open_inputs(str(path))
         for req in records.read(source, folder or base):
-            _warn_unknown(req, warned)
+            _warn_unknown(req.line, req.unknown, warned)
             req.dataset = req.dataset or path.stem
             requests.append(req)
     if not requests:  # an empty file: no table, no rows, and a 0 that says all is well
@@ -535,7 +535,8 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
         task = progress.add_task("answering", total=total)
         try:
             outcome = scale.run(source, scale.Job(**job, fault_after=scale.fault_after()), scale.Cluster(**cluster),
-                                sink, output, resume, memory, lambda: progress.advance(task))
+                                sink, output, resume, memory, lambda: progress.advance(task),
+                                functools.partial(_warn_unknown, warned=set()))
         except (scale.ScaleError, ValueError) as exc:
             fail(escape(str(exc)))
         if not outcome.interrupted:

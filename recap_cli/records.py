@@ -63,6 +63,20 @@ def numbered_lines(source: IO[bytes]) -> Iterator[tuple[int, bytes]]:
                 yield line_no, raw
 
 
+def unknown_keys(raw: bytes) -> list[str]:
+    """The keys of one line's record that recap does not read (none where the line is no JSON object: its record
+    says so). For a driver that hands lines to workers unparsed (``--ray``) and still warns as a local run does."""
+    try:
+        rec = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return []
+    return _unknown(rec) if isinstance(rec, dict) else []
+
+
+def _unknown(rec: dict) -> list[str]:
+    return [key for key in rec if key not in KEYS]
+
+
 def parse_line(raw: bytes, line: int, base: Path) -> Request:
     """Validate one JSONL line; relative image paths resolve against ``base`` (the JSONL file's folder or
     ``--root``)."""
@@ -74,7 +88,7 @@ def parse_line(raw: bytes, line: int, base: Path) -> Request:
     if not isinstance(rec, dict):
         return Request(line, line, error=f"line {line}: expected a JSON object, got {type(rec).__name__}")
     rid = rec.get("id", line)
-    req = Request(line, rid, unknown=[key for key in rec if key not in KEYS])
+    req = Request(line, rid, unknown=_unknown(rec))
     try:
         _fill(req, rec, base)
     except ValueError as exc:

@@ -82,9 +82,13 @@ class Outcome:
 
 
 def run(source: IO[bytes], job: Job, cluster: Cluster, sink: IO[bytes], output: Path | None, resume: bool,
-        memory: Path | None, progress=None) -> Outcome:
-    """Answer every line of ``source`` on the cluster and write the records to ``sink`` in input order."""
+        memory: Path | None, progress=None, unknown=None) -> Outcome:
+    """Answer every line of ``source`` on the cluster and write the records to ``sink`` in input order;
+    ``unknown(line, keys)`` hears of each line's keys recap does not read (the workers parse the lines)."""
     lines = list(records.numbered_lines(source))
+    for n, raw in lines if unknown is not None else ():
+        if keys := records.unknown_keys(raw):
+            unknown(n, keys)
     if resume and output is not None:
         todo = pending(lines, output, job.base)
         for _ in range(len(lines) - len(todo)):

@@ -41,6 +41,7 @@ def inputs(tmp_path_factory):
             rec = orjson.loads(raw)
             rec["image"] = str(BENCH / rec["image"])
             picked.append(orjson.dumps(rec))
+    picked[0] = picked[0][:-1] + b', "Question": "unread"}'  # a key recap ignores: warned of, as in a local run
     picked[2:2] = [b"{not json", b'{"id": "gone", "image": "missing.png"}']
     picked.append(b'{"id": "corrupt", "image": "corrupt.png", "question": "What colour?"}')
     path = d / "requests.jsonl"
@@ -72,6 +73,8 @@ def test_two_workers_write_what_a_local_run_writes_in_order(ray_local, inputs, l
     assert result.exit_code == 1, result.stderr  # some records failed: the bad lines
     out = lines(result.stdout)
     assert same(out) == same(local)
+    warned = " ".join(result.stderr.split())  # rich wraps long lines
+    assert warned.count("key 'Question' is not one recap reads: ignored (did you mean 'question'?)") == 1
     assert "image not found" in out[3]["error"] and "cannot read image" in out[-1]["error"]
     s = orjson.loads(summary.read_bytes())
     assert s["items"] == len(local) and s["errors"] == 3 and s["restarts"] == 0
