@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -82,7 +83,7 @@ class Outcome:
 
 
 def run(source: IO[bytes], job: Job, cluster: Cluster, sink: IO[bytes], output: Path | None, resume: bool,
-        memory: Path | None, progress=None, unknown=None) -> Outcome:
+        memory: Path | None, progress=None, unknown: Callable[[int, list[str]], None] | None = None) -> Outcome:
     """Answer every line of ``source`` on the cluster and write the records to ``sink`` in input order;
     ``unknown(line, keys)`` hears of each line's keys recap does not read (the workers parse the lines)."""
     lines = list(records.numbered_lines(source))
