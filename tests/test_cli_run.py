@@ -342,7 +342,6 @@ def test_a_later_turn_that_outgrows_the_context_keeps_the_answers_before_it(get_
         assert [answer(Session(adapter, method), r, "m", 5) for r in conversations()[1::2]] == want, method
 
 
-
 def test_a_runtime_failure_at_a_later_turn_keeps_the_turns_before_it(get_adapter, monkeypatch):
     """Out of memory while turn 2 decodes, at batch 1 (``answer`` and the run's loop alike)."""
     from recap_cli.batch import answer, answer_all
