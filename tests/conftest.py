@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -49,6 +51,17 @@ class _ModelDirs(dict):
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     return _ModelDirs(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def short_model(model_dirs, tmp_path_factory):
+    """The tiny text model, told it has 64 positions (RoPE weights do not depend on it): prompts outgrow it."""
+    d = tmp_path_factory.mktemp("short") / "model"
+    shutil.copytree(model_dirs["text"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["max_position_embeddings"] = 64
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
 
 
 _ADAPTERS: dict = {}

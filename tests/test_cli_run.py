@@ -389,28 +389,14 @@ def test_an_unexpected_failure_at_batch_1_fails_its_record_not_the_run(get_adapt
         tokens for i, tokens in enumerate(want) if i not in failed]
 
 
-@pytest.fixture(scope="module")
-def short_text_model(model_dirs, tmp_path_factory):
-    """The tiny text model, told it has 64 positions (RoPE weights do not depend on it)."""
-    import json
-    import shutil
-
-    d = tmp_path_factory.mktemp("short") / "model"
-    shutil.copytree(model_dirs["text"], d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["max_position_embeddings"] = 64
-    (d / "config.json").write_text(json.dumps(cfg))
-    return d
-
-
 @pytest.mark.parametrize("batch", [1, 4])
-def test_recap_run_keeps_the_turns_answered_before_one_that_fails(short_text_model, workdir, batch):
+def test_recap_run_keeps_the_turns_answered_before_one_that_fails(short_model, workdir, batch):
     """Through the command line: the record keeps turn 1's answer and names turn 2; the run exits 1, and
     ``--resume`` counts the record as done, as it does every error record."""
     path, out = workdir / f"turns{batch}.jsonl", workdir / f"turns{batch}.out.jsonl"
     path.write_bytes(jsonl({"id": "alone", "prompt": "Hi."},
                            {"id": "grows", "messages": [{"role": "user", "content": t} for t in ("Hi.", LONG)]}))
-    args = ["run", path, "--model", short_text_model, "-o", out, "--max-new-tokens", 5, "--batch", batch]
+    args = ["run", path, "--model", short_model, "-o", out, "--max-new-tokens", 5, "--batch", batch]
     r = invoke(args)
     alone, grows = lines(out.read_text())
     assert r.exit_code == 1 and alone["error"] is None

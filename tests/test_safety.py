@@ -3,9 +3,7 @@ files, the warm state a memory file brings back, SIGTERM and a closed stdout, EX
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,17 +29,6 @@ SAMPLES = ROOT / "sample_inputs"
 def workdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("safety")
     make_image(1).save(d / "a.png")
-    return d
-
-
-@pytest.fixture(scope="module")
-def short_model(model_dirs, tmp_path_factory):
-    """The tiny text model, told it has 64 positions (RoPE weights do not depend on it)."""
-    d = tmp_path_factory.mktemp("short") / "model"
-    shutil.copytree(model_dirs["text"], d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["max_position_embeddings"] = 64
-    (d / "config.json").write_text(json.dumps(cfg))
     return d
 
 
