@@ -29,8 +29,10 @@ import torch
 from recap_cli.batch import answer_with_tokens
 from recap_cli.demo.samples import bench_sets
 from recap_cli.models import freeze_loaded, load
-from recap_cli.records import Request, read
+from recap_cli.records import Request
 from recap_cli.session import Session
+
+from batching import requests  # a sibling script: benchmarks/ is the script's own folder
 
 SETS = ("demo_caption", "demo_vqa", "demo_multiturn")
 
@@ -38,11 +40,7 @@ SETS = ("demo_caption", "demo_vqa", "demo_multiturn")
 def stream(scenes: int, seed: str, folder: Path) -> list[Request]:
     """Every scene's caption, VQA and conversation requests, shuffled into one stream."""
     bench_sets(folder, scenes, seed)
-    out: list[Request] = []
-    for name in SETS:
-        path = folder / f"{name}.jsonl"
-        with open(path, "rb") as source:
-            out += [r for r in read(source, folder) if r.error is None]
+    out = requests([folder / f"{name}.jsonl" for name in SETS], None)
     random.Random(seed).shuffle(out)
     return out
 
@@ -73,13 +71,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="recap-long-") as folder:
-        requests = stream(args.scenes, args.seed, Path(folder))
+        reqs = stream(args.scenes, args.seed, Path(folder))
         adapter = load(args.model, device="cpu", dtype="fp32")
         freeze_loaded()
         sessions = {"ar": Session(adapter, "ar"), "recap": Session(adapter, "recap")}
         rows, timed, differ = [], [], 0
-        print(f"{len(requests)} requests, ar and recap alternating; a row per {args.window}", file=sys.stderr)
-        for i, req in enumerate(requests):
+        print(f"{len(reqs)} requests, ar and recap alternating; a row per {args.window}", file=sys.stderr)
+        for i, req in enumerate(reqs):
             seconds, answered = {}, {}
             for method in ("ar", "recap") if i % 2 == 0 else ("recap", "ar"):
                 t0 = time.perf_counter()
@@ -89,7 +87,7 @@ def main() -> None:
             record = answered["recap"][0]
             timed.append({**seconds, "steps": record.get("steps", 0), "tokens": record.get("new_tokens", 0),
                           "draft_ms": record.get("draft_ms", 0.0)})
-            if (i + 1) % args.window == 0 or i + 1 == len(requests):
+            if (i + 1) % args.window == 0 or i + 1 == len(reqs):
                 rows.append(window_row(i + 1, timed, sessions["recap"], differ))
                 timed = []
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}),
