@@ -87,14 +87,16 @@ class Adapter:
 
     def batch_inputs(self, prompts: list[Prompt]) -> dict[str, Any]:
         """One forward pass's inputs for several prompts, right-padded: row r's tokens at columns 0..L_r-1, as
-        the batched cache keeps them. Padding comes after every real token of its row, so no real token sees
-        it, and a 2-D attention mask hides it from the rest. Image inputs are concatenated in row order (models
-        fill image placeholders in order across the batch); where their shapes differ they are zero-padded
-        along their own dimensions (LLaVA-NeXT's patch counts: the model cuts each image's back off)."""
+        the batched cache keeps them. Padding comes after every real token of its row, so no real token sees it
+        (attention is causal): no mask hides it. Nor may one: padding hidden from padding leaves a padding token
+        under a sliding window (Gemma 3) nothing to see, eager attention makes its output NaN, and the next
+        layer's zero weights on NaN values poison the real tokens too. Image inputs are concatenated in row
+        order (models fill image placeholders in order across the batch); where their shapes differ they are
+        zero-padded along their own dimensions (LLaVA-NeXT's patch counts: the model cuts each image's back
+        off)."""
         width = max(p.length for p in prompts)
         ids = torch.stack([_pad_row(p.input_ids[0], width, int(p.input_ids[0, -1])) for p in prompts])
-        mask = torch.stack([_pad_row(torch.ones_like(p.input_ids[0]), width, 0) for p in prompts])
-        inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
+        inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         if any(p.position_ids is not None for p in prompts):  # M-RoPE: each row's own (3, L_r) grid positions
             rows = [p.position_ids[:, 0] if p.position_ids is not None
                     else torch.arange(p.length, device=self.device).expand(3, -1) for p in prompts]

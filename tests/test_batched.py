@@ -277,6 +277,20 @@ def test_gemma3_joins_without_trees(get_adapter):
                                                                                    1).tokens[0]
 
 
+def test_gemma3_under_eager_attention_batches_a_short_prompt_beside_a_long_one(get_adapter, tmp_path):
+    """Right padding longer than Gemma 3's sliding window (8 positions here): a 2-D mask hiding padding from
+    padding left a padding token nothing to see, eager attention made it NaN, and the full layer's zero weights on
+    NaN values made the short row's every logit NaN (its answer token 0 throughout)."""
+    adapter = get_adapter("gemma3", "eager")
+    image = tmp_path / "img.png"
+    make_image(0).save(image)
+    reqs = [Request(line=1, id="long", image=image, turns=[QUESTIONS[3]]), Request(line=2, id="short", turns=["hi"])]
+    want = [tokens for _, tokens in run(Session(adapter, "ar"), reqs, 12)]
+    assert want[1][0][0] != 0
+    for method in ("ar", "recap"):
+        assert [tokens for _, tokens in run(Session(adapter, method, batch=2), reqs, 12)] == want, method
+
+
 def test_hostile_input_fails_only_its_own_record(get_adapter, tmp_path, monkeypatch):
     adapter = get_adapter("qwen")
     reqs = stream("qwen", tmp_path, 8)
