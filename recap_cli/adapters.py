@@ -282,9 +282,12 @@ def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
-    """EOS ids exactly as greedy generate() uses them: the generation config first, the tokenizer's as fallback."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
+    """EOS ids exactly as greedy generate() uses them: the generation config's (none when it names none:
+    generate() then never stops early, whatever the tokenizer says); the tokenizer's only for a model without
+    a generation config."""
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if config is None:
         tok = getattr(tokenizer, "tokenizer", tokenizer)
         eos = tok.eos_token_id
     if eos is None:

@@ -205,3 +205,34 @@ def test_load_refuses_what_the_command_line_refuses_before_looking_for_the_model
                       (dict(device="tpu"), "--device takes")):
         with pytest.raises(ModelError, match=said):
             load("no-such-model", **how)
+
+
+def test_no_eos_in_the_generation_config_stops_nowhere_as_generate_does(model_dirs, tmp_path):
+    """A checkpoint whose generation config names no EOS: generate() never stops early, even at the tokenizer's
+    EOS, so neither does recap (it stopped at the tokenizer's)."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from recap_cli.session import GenerateSession, Session
+
+    d = tmp_path / "model"
+    shutil.copytree(model_dirs["text"], d)
+    model = AutoModelForCausalLM.from_pretrained(d)
+    adapter = load(str(model_dirs["text"]), device="cpu", dtype="fp32")
+    eos = next(iter(adapter.eos_token_ids))
+    msgs = [{"role": "user", "content": "What colour is the triangle?"}]
+    common = Session(adapter, "ar").answer(msgs, [], 30).tokens[4]
+    with torch.no_grad():  # the tokenizer's EOS scores like a token the answer holds: it comes early
+        model.lm_head.weight[eos] = model.lm_head.weight[common] * 1.05
+    model.save_pretrained(d)
+    config = json.loads((d / "generation_config.json").read_text())
+    del config["eos_token_id"]
+    (d / "generation_config.json").write_text(json.dumps(config))
+    adapter = load(str(d), device="cpu", dtype="fp64")
+    want = GenerateSession(adapter, "hf").answer(msgs, [], 30).tokens
+    assert eos in want[:-1] and len(want) == 30
+    assert Session(adapter, "ar").answer(msgs, [], 30).tokens == want
+    assert Session(adapter, "recap").answer(msgs, [], 30).tokens == want
