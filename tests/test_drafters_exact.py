@@ -97,3 +97,25 @@ def test_static_cache_path_matches_for_every_drafter(get_adapter, arch):
         session = Session(adapter, method, static=True)
         assert session.engine.static and session.engine.cost.buckets == session.engine.buckets
         assert [session.answer(m, imgs, 30).tokens for m, imgs in stream] == expected, method
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_static_cache_takes_trees_wider_than_its_largest_bucket(get_adapter, early):
+    """A fixed budget above the largest bucket (128): the static cache makes room for the prefill's tree and grows
+    for a wide step (it crashed: "static KV cache full", a mask wider than the cache)."""
+    adapter = get_adapter("text")
+    msgs, imgs = request("text", QUESTIONS[2], 0)
+    want = Session(adapter, "ar").answer(msgs, imgs, 40).tokens
+    session = Session(adapter, "recap", static=True, budget=512, early=early)
+    widest, real = [0], session.engine.verify
+
+    def spy(tree, *args, **kwargs):
+        widest[0] = max(widest[0], len(tree))
+        return real(tree, *args, **kwargs)
+
+    session.engine.verify = spy
+    for _ in range(3):  # the memory warms up: trees grow past 128 nodes
+        gen = session.answer(msgs, imgs, 40)
+        assert gen.tokens == want
+        widest[0] = max(widest[0], gen.prefill_nodes)
+    assert widest[0] > 128

@@ -103,10 +103,10 @@ class Engine:
         if tree.without(self.adapter.image_token_id) is not tree:
             raise ValueError("a tree at prefill holds the image placeholder: the model would take it for an image "
                              "slot (Tree.without drops it)")
-        if self.prefixes is not None and (reuse := self._reusable(prompt, reserve)) is not None:
+        if self.prefixes is not None and (reuse := self._reusable(prompt, reserve, len(tree))) is not None:
             return self.prefill_from(prompt, *reuse, tree, want_rows=want_rows, reserve=reserve, picker=picker)
         self.hit, self.prompt_rows, self.held = 0, None, None
-        self._new_cache(prompt.length + reserve + max(self.buckets))
+        self._new_cache(self._room(prompt.length, reserve, len(tree)))
         self.rope_delta, self.length = prompt.rope_delta, 0
         extra = len(tree) - 1
         keep: int | torch.Tensor = extra + 1  # the root's logits (the prompt's last) and the nodes'
@@ -160,7 +160,7 @@ class Engine:
         self.prompt_rows = join_rows(prefix_rows, prompt_rows, prompt_rows.positions)
         return verified, self.prompt_rows
 
-    def _reusable(self, prompt: Prompt, reserve: int) -> tuple[int, Layers | None, Rows | None] | None:
+    def _reusable(self, prompt: Prompt, reserve: int, nodes: int = 1) -> tuple[int, Layers | None, Rows | None] | None:
         """The longest prefix of ``prompt`` already computed: in this cache, if it holds the turn before this one
         of the same conversation (``hold``), or in ``prefixes``; (tokens, a copy to load or None, their rows)."""
         held, self.held = self.held, None
@@ -171,7 +171,7 @@ class Engine:
                                      self.adapter.image_end(prompt))
             if n > best:
                 rows = rows_before(self.prompt_rows, n)
-                if not self.static or self.capacity >= self._room(prompt.length, reserve):
+                if not self.static or self.capacity >= self._room(prompt.length, reserve, nodes):
                     return n, None, rows
                 return n, compat.row_layers(self.cache, 0, n), rows  # a static cache too small: copied over
         return (best, hit.entry.layers, hit.entry.rows_before(best)) if hit is not None else None
@@ -189,7 +189,7 @@ class Engine:
         if prefix is None:
             compat.keep_rows(self.cache, n, None, n)
         else:
-            self._new_cache(self._room(total, reserve))
+            self._new_cache(self._room(total, reserve, len(tree)))
             compat.load_prefixes(self.cache, [prefix], [n])
         self.rope_delta, self.length = prompt.rope_delta, n
         ids = torch.cat([prompt.input_ids[:, n:], torch.tensor([tree.tokens[1:]], dtype=prompt.input_ids.dtype,
@@ -204,8 +204,18 @@ class Engine:
         return self._prefilled(prompt, tree, out.logits[0], list(range(n, total + extra)) if want_rows else None,
                                rows, picker)
 
-    def _room(self, length: int, reserve: int) -> int:
-        return length + reserve + max(self.buckets)
+    def _room(self, length: int, reserve: int, nodes: int = 1) -> int:
+        """A static cache's capacity for a prompt of ``length``: ``reserve`` new tokens, then room for a step of the
+        largest bucket, or for ``nodes`` (the tree verified with the prompt) where that is wider."""
+        return length + reserve + max(max(self.buckets), nodes)
+
+    def _grow(self, need: int) -> None:
+        """A static cache too small for the next step (a tree wider than the largest bucket: a fixed budget above
+        it) is replaced by a bigger one, the cached rows copied over (a new shape: compiled graphs are captured
+        again, as when a longer prompt comes)."""
+        rows = compat.row_layers(self.cache, 0, self.length)
+        self._new_cache(self.length + need)
+        compat.load_prefixes(self.cache, [rows], [self.length])
 
     def hold(self, prompt: Prompt, tokens: list[int]) -> None:
         """After a turn: the cache holds its prompt and answer, which the conversation's next turn starts with;
@@ -254,7 +264,7 @@ class Engine:
         n = len(tree)
         size = self._bucket(n)
         if self.static and self.length + size > self.capacity:
-            raise RuntimeError(f"static KV cache full ({self.capacity} positions): reserve more at prefill")
+            self._grow(size + max(self.buckets))
         pad = size - n  # padding nodes hang off nothing: they see the prefix and themselves, no node sees them
         tokens, depths = tree.padded(size)
         ids = torch.tensor([tokens], device=self.device)
