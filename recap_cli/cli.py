@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Optional
 
@@ -256,10 +256,11 @@ def run(
                     yield req
 
             t0 = time.perf_counter()
+            unwritten = None  # why the output stopped taking records (a full disk), if it did
             try:
                 for record, _ in answer_all(session, todo(), model, max_new_tokens):
                     with safety.whole_lines():
-                        _write(sink, record)
+                        _write_or_raise(sink, record)
                         totals.add(record)
                         progress.advance(task)
             except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the request in flight is dropped; lines stay whole
@@ -267,15 +268,55 @@ def run(
             except BrokenPipeError:  # the reader of stdout went away (`| head`): nobody can take more answers
                 safety.silence_stdout()
                 stop = EXIT_CLOSED_STDOUT
-        if memory is not None and session.save_memory(memory):
+            except _OutputFailed as exc:  # a full disk: stop as an interrupt does, memory saved, summary printed
+                if output is None:  # what stdout's buffer still holds must not fail again at exit
+                    safety.silence_stdout()
+                unwritten = (f"{'-o ' + str(output) if output else 'stdout'}: cannot write more records "
+                             f"({exc.reason}) after {totals.items} records"
+                             + ("; free space, then --resume picks up after the last whole record" if output else ""))
+                stop = EXIT_USAGE
+        kept = _save_memory(session, memory) if memory is not None else False
+        if kept:
             info(f"memory saved to {memory}")
         stop = stop or _stopped_by(held)
         figures = run_figures(totals, time.perf_counter() - t0, session.batch, session.occupancy)
-        _report(totals, summary, stop, {**figures, "decoding": {**settings.describe(), "seed": settings.seed}})
-    stop = stop or _stopped_by(held)
+        written = _report(totals, summary, stop,
+                          {**figures, "decoding": {**settings.describe(), "seed": settings.seed}})
+        if unwritten:
+            err.print(f"[bold red]error:[/] {escape(unwritten)}", highlight=False)
+    # A file the run was asked to write and could not (said above) is exit 2, as an unwritable path found before.
+    stop = stop or _stopped_by(held) or (EXIT_USAGE if kept is None or not written else None)
     if stop is not None:
         raise typer.Exit(stop)
     raise typer.Exit(EXIT_FAILED_RECORDS if totals.errors else EXIT_OK)
+
+
+class _OutputFailed(Exception):
+    """The records' output refused a write (a full disk, a quota): not a closed stdout, which stops quietly."""
+
+    def __init__(self, exc: OSError):
+        super().__init__(exc)
+        self.reason = exc.strerror or str(exc)
+
+
+def _write_or_raise(sink: IO[bytes], record: dict) -> None:
+    try:
+        _write(sink, record)
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise _OutputFailed(exc) from exc
+
+
+def _save_memory(session: Session, memory: Path) -> bool | None:
+    """Save the drafter's memory: True when saved, False when the method keeps none, None when the save failed
+    (a full disk): one sentence, the file as it was (the save is atomic), and the run still prints its summary."""
+    try:
+        return session.save_memory(memory)
+    except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
+        err.print(f"[bold red]error:[/] --memory {escape(str(memory))}: cannot save the drafter memory "
+                  f"({escape(records.first_line(exc))}); the file is as it was", highlight=False)
+        return None
 
 
 def _memory_file(memory: Path | None, method: str, cold_on_error: bool) -> dict | None:
@@ -393,6 +434,8 @@ def compare(
     _check_paths(inputs, json=json_out)  # a typo in a path must not cost the whole comparison's results
     if report_dir is not None and (str(report_dir) == "-" or report_dir.exists() and not report_dir.is_dir()):
         fail(f"--report {report_dir}: name a folder (for report.md and speedups.png)")
+    if report_dir is not None and (problem := safety.unmakeable_folder(report_dir, "--report")):
+        fail(problem)
     labels = list(dict.fromkeys([baseline] + [m.strip() for m in methods.split(",") if m.strip()]))
     if len(labels) < 2:
         fail(f"--methods names no method besides the baseline ({baseline}): nothing to compare it with")
@@ -448,9 +491,12 @@ def compare(
             comparison.run(sessions, requests, baseline, model, max_new_tokens, warmup, keep_memory, emit, repeats)
         except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the inputs measured so far are still reported
             stop = EXIT_TERMINATED if isinstance(exc, safety.Terminated) else EXIT_INTERRUPTED
+        except BrokenPipeError:  # the reader of stdout went away (`| head`): as `recap run`, 141, not click's 1
+            safety.silence_stdout()
+            stop = EXIT_CLOSED_STDOUT
     measured = len({r.input for r in rows})
     if stop is not None:
-        err.print(f"{'terminated' if stop == EXIT_TERMINATED else 'interrupted'} after {measured} of "
+        err.print(f"{STOPS[stop]} after {measured} of "
                   f"{len(requests)} inputs" + (": the results cover those" if rows else ""), highlight=False)
         if not rows:
             raise typer.Exit(stop)
@@ -466,10 +512,14 @@ def compare(
                                            "rows": comparison.rows_as_dicts(rows), "interrupted": stop is not None},
                                           option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
     if report_dir is not None:
-        report_dir.mkdir(parents=True, exist_ok=True)
-        (report_dir / "report.md").write_text(report.markdown(summary, baseline, header) + "\n")
-        report.plot(summary, report_dir / "speedups.png")
-        info(f"report written to {report_dir}")
+        try:
+            report_dir.mkdir(parents=True, exist_ok=True)
+            (report_dir / "report.md").write_text(report.markdown(summary, baseline, header) + "\n")
+            report.plot(summary, report_dir / "speedups.png")
+            info(f"report written to {report_dir}")
+        except OSError as exc:  # what the checks before the model could not foresee (a full disk, /proc)
+            fail(f"--report {escape(str(report_dir))}: cannot write it ({escape(exc.strerror or str(exc))}); "
+                 "the rows on stdout" + (" and --json" if json_out is not None else "") + " have the results")
     # Sampled tokens of hf come from torch's generator, not recap's draws: their mismatches are shown, not failures.
     exempt = HF_METHODS if settings.sampling else ()
     mismatched = any(s["mismatches"] for ms in summary.values() for label, s in ms.items()
@@ -544,12 +594,14 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
     if outcome.memories_merged:
         stale = "" if outcome.memories_final else " (some workers' last requests missing: they did not stop cleanly)"
         err.print(f"memories of {outcome.memories_merged} workers merged into {memory}{stale}")
-    _report(outcome.totals, summary, EXIT_INTERRUPTED if outcome.interrupted else None,
-            scale.extra_summary(outcome))
+    written = _report(outcome.totals, summary, EXIT_INTERRUPTED if outcome.interrupted else None,
+                      scale.extra_summary(outcome))
     for worker, line in scale.worker_lines(outcome):
         err.print(f"  worker {worker}: {line}", highlight=False)
     if outcome.interrupted:
         raise typer.Exit(EXIT_INTERRUPTED)
+    if not written:  # the summary file could not be written (said above): as a local run, exit 2
+        raise typer.Exit(EXIT_USAGE)
     raise typer.Exit(EXIT_FAILED_RECORDS if outcome.totals.errors else EXIT_OK)
 
 
@@ -632,9 +684,22 @@ def _sink(output: Path | None, resume: bool):
     if not output:
         return nullcontext(sys.stdout.buffer)
     try:
-        return open(output, "ab" if resume else "wb")
+        return _closing_quietly(open(output, "ab" if resume else "wb"))
     except OSError as exc:
         fail(f"-o {output}: cannot write it ({exc.strerror or exc})")
+
+
+@contextmanager
+def _closing_quietly(file: IO[bytes]) -> Iterator[IO[bytes]]:
+    """The output file, closed at the end. Every record was flushed as it was written, so closing can only fail
+    where a write already did (a full disk: said then, the run stopped): that tail is not raised again."""
+    try:
+        yield file
+    finally:
+        try:
+            file.close()
+        except OSError:
+            pass
 
 
 class _LateSink:
@@ -675,10 +740,11 @@ def _progress(total: int | None) -> Progress:
                     TimeElapsedColumn(), console=err, transient=False, disable=_quiet or not err.is_terminal)
 
 
-STOPS = {EXIT_INTERRUPTED: "interrupted", EXIT_TERMINATED: "terminated", EXIT_CLOSED_STDOUT: "stdout closed"}
+STOPS = {EXIT_INTERRUPTED: "interrupted", EXIT_TERMINATED: "terminated", EXIT_CLOSED_STDOUT: "stdout closed",
+         EXIT_USAGE: "output failed"}
 
 
-def _report(totals: Totals, summary: Path | None, stop: int | None, extra: dict | None = None) -> None:
+def _report(totals: Totals, summary: Path | None, stop: int | None, extra: dict | None = None) -> bool:
     s = {**totals.summary(), **(extra or {})}
     interrupted = stop is not None
     note = f" ({STOPS[stop]})" if interrupted else ""
@@ -698,5 +764,11 @@ def _report(totals: Totals, summary: Path | None, stop: int | None, extra: dict 
         restarts = f" ({s['restarts']} restarted)" if s["restarts"] else ""
         info(f"{s['workers']} worker{'s' if s['workers'] != 1 else ''}{restarts}")
     if summary is not None:
-        summary.write_bytes(orjson.dumps({**s, "interrupted": interrupted}, option=orjson.OPT_INDENT_2))
+        try:
+            summary.write_bytes(orjson.dumps({**s, "interrupted": interrupted}, option=orjson.OPT_INDENT_2))
+        except OSError as exc:  # a full disk, a special file system: one sentence, not a traceback after the run
+            err.print(f"[bold red]error:[/] --summary {escape(str(summary))}: cannot write it "
+                      f"({escape(exc.strerror or str(exc))})", highlight=False)
+            return False
+    return True
 

@@ -58,6 +58,19 @@ def unwritable(path: Path, flag: str, atomic: bool = False) -> str | None:
     return None
 
 
+def unmakeable_folder(path: Path, flag: str) -> str | None:
+    """The sentence saying why the folder ``path`` cannot be made (or written in), or None: what a report is
+    written to at the end of a comparison, checked before it starts."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{flag} {path}: {existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{flag} {path}: the folder {existing} is read-only"
+    return None
+
+
 @contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
     """While inside, SIGTERM raises ``Terminated`` (a KeyboardInterrupt) and SIGINT a KeyboardInterrupt, except
