@@ -132,7 +132,7 @@ def run(
                                        "max_new_tokens gets (the model's context length caps both)"),
     allow_longer: bool = typer.Option(False, help="let a record's own max_new_tokens go past --max-new-tokens"),
     device: str = typer.Option("auto", help="auto, cpu or cuda"),
-    dtype: str = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32"),
+    dtype: str = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32 or fp64"),
     attn: str = typer.Option("sdpa", help="attention kernel: sdpa or eager"),
     memory: Optional[Path] = typer.Option(None, help="load the persistent draft memory from here; save it at the end"),
     memory_cold_on_error: bool = typer.Option(False, help="start cold (with a warning) when --memory cannot be "
@@ -143,7 +143,7 @@ def run(
                                          "the default for recap and pld), or a number; tr: auto or its template"),
     depth: Optional[int] = typer.Option(None, min=1, help="recap: maximum draft depth"),
     mixing: Optional[str] = typer.Option(None, help="recap: confidence or fixed"),
-    orders: Optional[str] = typer.Option(None, help="recap: memory orders to use, e.g. 1,2,3"),
+    orders: Optional[str] = typer.Option(None, help="recap: memory orders to use, e.g. 1,2,3 or 123"),
     suffix: Optional[bool] = typer.Option(None, "--suffix/--no-suffix", help="recap: continuations from the stream "
                                           "memory (exact matches in this and earlier requests)"),
     calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate",
@@ -405,7 +405,7 @@ def compare(
     report_dir: Optional[Path] = typer.Option(None, "--report", help="write report.md and speedups.png here"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the summary and every measurement here"),
     device: str = typer.Option("auto", help="auto, cpu or cuda"),
-    dtype: str = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32"),
+    dtype: str = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32 or fp64"),
     attn: str = typer.Option("sdpa", help="attention kernel: sdpa or eager"),
     offline: bool = typer.Option(False, help="never ask the hub; use the local cache only (also HF_HUB_OFFLINE=1)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress or info lines on stderr (the result "

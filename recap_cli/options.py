@@ -86,7 +86,7 @@ KNOBS: dict[str, tuple[Callable[[str], Any], Callable[[Any], bool], str]] = {
        for key in ("suffix", "calibrate", "paced", "early", "prompt_rows", "skip")},
     "trust_decay": (float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "orders": (lambda v: tuple(int(c) for c in v.replace(",", "")), lambda v: bool(v) and set(v) <= {1, 2, 3},
-               "a subset of 1, 2, 3 (e.g. 12)"),
+               "a subset of 1, 2, 3 (e.g. 12 or 1,2)"),
     "prefix": (float, lambda v: math.isfinite(v) and v >= 0, "MB of prefix cache >= 0 (0: off)"),
 }
 
@@ -113,6 +113,8 @@ def parse_method(spec: str) -> tuple[str, dict]:
         key, _, value = part.partition("=")
         if key not in KNOBS:
             raise ValueError(f"'{part}' in '{spec}': variants take {', '.join(KNOBS)} as key=value")
+        if key in knobs:
+            raise ValueError(f"'{spec}' sets {key} twice")
         try:
             knobs[key] = parse_knob(key, value)
         except ValueError as exc:
@@ -139,5 +141,5 @@ def parse_budget(method: str, value: str) -> int | str:
     if method == "tr":
         raise ValueError("tr drafts its fixed 80-node template; its only budget is auto (cut by cost)")
     if not value.isdigit() or int(value) > MAX_BUDGET:
-        raise ValueError(f"'{value}' is not {KNOBS['budget'][2]}")
+        raise ValueError(f"budget takes {KNOBS['budget'][2]}, not '{value}'")
     return int(value)

@@ -77,7 +77,8 @@ def test_method_specs():
                       ("recap:orders=", "orders takes"), ("recap:orders=4", "orders takes"),
                       ("recap:mixing=foo", "mixing takes"), ("recap:trust_decay=0", "trust_decay takes"),
                       ("recap:budget=100000", "from 0 to 512"), ("pld:budget=513", "from 0 to 512"),
-                      ("ar:prefix=-1", "prefix takes")):
+                      ("ar:prefix=-1", "prefix takes"), ("recap:budget=", "budget takes auto or"),
+                      ("recap:budget=16:budget=8", "sets budget twice")):
         with pytest.raises(ValueError, match=said):
             parse_method(bad)
 
