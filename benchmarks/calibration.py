@@ -1,6 +1,6 @@
 """Are RECAP's chances what they turn out to be? Predicted vs observed acceptance, per chance bucket and source.
 
-    python benchmarks/calibration.py [--model demo] [--inputs ...] [--before 9edef0e] [--json runs/calibration.json]
+    python benchmarks/calibration.py [--model demo] [--inputs ...] [--before 6263fbe] [--json runs/calibration.json]
 
 Runs ``recap`` (batch 1, auto-sized trees unless --budget) over each input file as its own stream (memories
 cleared between files, as ``recap compare`` does) and, for every drafted node whose parent the verifier

@@ -5,11 +5,11 @@
 A step's drafting is a few hundred microseconds of Python; on a shared 2-core machine its timings moved by half
 between identical runs (benchmarks/host_time.py), while an instruction count of the same work is the same to the
 thousand. Each side records its own run of ``recap`` over the demo sets as host_time.py does (the first half
-fills the memories, the second half's drafter calls are recorded; ``--costs fixed``: the same frozen step costs
-on both sides, so trees at ``auto`` are sized by the drafting code alone), then replays those calls under
-callgrind in a child process, and once more without replaying them (loading alone): the difference is the
-drafting's. The child never imports torch (the drafters touch it only to save their memories, so a stand-in takes
-its place): torch's own start-up under valgrind would take minutes and count nothing of ours.
+fills the memories, the second half's drafter calls are recorded; always host_time.py's ``--costs fixed``: the
+same frozen step costs on both sides, so trees at ``auto`` are sized by the drafting code alone), then replays
+those calls under callgrind in a child process, and once more without replaying them (loading alone): the
+difference is the drafting's. The child never imports torch (the drafters touch it only to save their memories,
+so a stand-in takes its place): torch's own start-up under valgrind would take minutes and count nothing of ours.
 
 Reported per budget and side: steps, requests, and instructions per step of everything the drafter did (propose
 and observe at each step, start and end at each request: its prompt and its answer's last tokens written into the

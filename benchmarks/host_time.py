@@ -2,8 +2,8 @@
 the tree mask), for trees of a given size with the memories of a real run.
 
     python benchmarks/host_time.py --model demo --budget 64 [--json runs/host_time.json]
-    python benchmarks/host_time.py --budget 64,auto --before 9edef0e   # this tree against an older commit
-    python benchmarks/host_time.py --budget auto --costs fixed --before 9edef0e   # same sizing on both sides
+    python benchmarks/host_time.py --budget 64,auto --before 6263fbe   # this tree against an older commit
+    python benchmarks/host_time.py --budget auto --costs fixed --before 6263fbe   # same sizing on both sides
 
 With ``--before REF`` the same measurement runs on the drafter code of git commit REF (imported beside this tree's
 as a package of its own) and on this tree, in this one process: each side records its own run, then the sides'
