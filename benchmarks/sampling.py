@@ -82,6 +82,9 @@ def main() -> None:
             cells = []
             for spec in args.settings:
                 s = results[spec]["summary"][dataset][label]
+                if s["mean_accepted"] is None:  # no input of the dataset answered (a bad image path): no figures
+                    cells.append(f"no answers ({s['errors']} errors)")
+                    continue
                 cells.append(f"{s[speed]:.2f}× · {s['mean_accepted']:.2f} · {s['nodes_per_step']:.1f} · "
                              f"{100 * s['match_rate']:.0f}%")
             print(f"| {dataset} | {label} | " + " | ".join(cells) + " |")
