@@ -245,6 +245,62 @@ def test_ended_requests_evicted_from_the_stream_are_not_continued():
     assert memory.resume([1, 2, 3, 4]) is None
 
 
+def test_a_row_evicted_while_in_flight_writes_no_more_even_after_an_image():
+    """A batch row whose request the stream evicts (other rows began past ``max_requests``) writes no more: not
+    even a new segment after an image placeholder, which no request would own (never evicted, never saved), and
+    its next turn does not continue it."""
+    memory = StreamMemory(banned=[99], depth=4, max_requests=1)
+    a = memory.begin()
+    memory.write(a, [1, 2, 99])  # row a's text so far ends at an image: no segment open
+    memory.write(memory.begin(), [5, 6])  # row b begins: a is evicted
+    memory.write(a, [3, 4, 3, 4])  # row a decodes on
+    assert list(memory.tree.seqs.values()) == [[5, 6]] and memory.state()["tokens"].tolist() == [5, 6]
+    memory.end(a, [1, 2, 99, 3, 4, 3, 4], 0)
+    assert memory.resume([1, 2, 99, 3, 4, 3, 4, 7]) is None
+    for _ in range(3):
+        memory.write(memory.begin(), [7])
+    assert list(memory.tree.seqs.values()) == [[7]]
+
+
+def test_the_stream_classes_a_continuation_seen_once_at_a_branch_as_another_requests_text():
+    """A continuation seen once sits in a leaf: at the branch, its chance's class is another request's text
+    whoever wrote it (recap.py, at ``OWN``), never a class read off the leaf's number (which a reload or an
+    eviction changes: it read leaf ``leaf // SPAN``'s writer)."""
+    from recap_cli.drafters.recap import OWN
+    d = make_drafter("recap", 100, budget=8, calibrate=False)
+    d.start([1, 2, 3], None)
+    d.end([1, 2, 3, 4])
+    d.start([50, 51], None)
+    d.propose([50, 51, 7, 8, 7, 9, 7], room=8)  # 7 was followed by 8, then 9: both leaves of this request
+    cells = {token: s_cell for _, token, s_cell, _, _ in d._nodes[0][4]}
+    assert set(cells) == {8, 9} and all(cell // 30 < OWN for cell in cells.values())
+
+
+def test_a_loaded_memory_drafts_as_the_run_that_saved_it_went_on_past_evictions(get_adapter, tmp_path):
+    """Half a stream, saved and loaded into a new session, then the other half: the same trees as one session
+    over the whole stream, though the stream evicted many requests (its nodes and leaves are numbered otherwise
+    after a reload)."""
+    rng = random.Random(1)
+    asks = ["What colour is the square?", "Describe the picture.", "Count the dots.", "Say hello.",
+            "What colour is the circle?"]
+    reqs = [([{"role": "user", "content": rng.choice(asks)}], rng.choice([1, 2, 8, 24])) for _ in range(30)]
+
+    def trees(session: Session, part) -> list:
+        log, propose = [], session.drafter.propose
+        session.drafter.propose = lambda context, room: log.append(propose(context, room)) or log[-1]
+        for messages, n in part:
+            session.answer(messages, [], n)
+        return [(t.tokens, t.parents) for t in log]
+
+    knobs = dict(stream_requests=3, budget=16)
+    one = Session(get_adapter("text"), "recap", **knobs)
+    trees(one, reqs[:15])
+    one.save_memory(tmp_path / "m.pt")
+    two = Session(get_adapter("text"), "recap", **knobs)
+    two.load_memory(tmp_path / "m.pt")
+    assert trees(two, reqs[15:]) == trees(one, reqs[15:])
+
+
 def test_recap_drafts_a_phrase_of_an_earlier_request_from_the_stream():
     d = make_drafter("recap", 100, budget=8)
     d.start([1, 2], None)

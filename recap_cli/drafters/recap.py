@@ -61,7 +61,6 @@ from .base import Drafter
 from .calibration import MATCHES, CellChances, PlacedCalibration, match_bucket
 from .memory import KeyedMemory, Row, TokenTable, check_table
 from .stream import Cursor, StreamMemory
-from .suffix_tree import SPAN
 
 FIXED_WEIGHTS = (0.70, 0.20, 0.10)
 # Rank weights for confidence mixing: chosen on SmolLM2-135M over the text prompts of sample_inputs/bench among
@@ -86,6 +85,11 @@ BUCKETS = len(MATCHES)
 STREAM_CELLS = [(((kind * BUCKETS + m) * 2 + (r > 0)) * 2 + agree) for kind in range(3) for m in range(BUCKETS)
                 for r in range(3) for s in range(5) for agree in range(2)]
 OWN, SKIP = BUCKETS, 2 * BUCKETS  # a stream cell's kind, as its offset in match buckets (other requests' text: 0)
+# Where the text branches, a continuation seen once is classed as another request's text whoever wrote
+# it (inside its chain, past the branch, its own sequence decides). Classed by its writer instead, ms a token and
+# mean of per-input speedups on the proxy (calibration.py --inner --costs fixed; SmolLM2 / second set / demo /
+# held-out): 57.402, 2.428 / 58.344, 1.627 / 3.173, 2.006 / 3.048, 2.043, against 56.782, 2.350 / 57.328, 1.668 /
+# 3.109, 2.062 / 3.030, 2.088 this way (why, a guess: own cells at branches get few tests and stay untaught).
 SKIPPED = SKIP * 15 * 2  # stream cells from here on are skips
 # A skip needs the text before the new token to match this much: a frame (the prompt's end and an answer's first
 # words, a repeated sentence) whose slot earlier text filled otherwise. After a short match a new token is just
@@ -499,8 +503,10 @@ class RecapDrafter(Drafter):
                             continue
                         p = -negc[rank] / total
                         b = 4 if p >= 0.95 else 3 if p >= 0.8 else 2 if p >= 0.5 else 1 if p >= 0.2 else 0
-                        ref = kids[t]  # the sequence that last passed there: tree.source, inlined
-                        own = OWN if (last[ref] if ref >= 0 else tree.leaf_seq[~ref // SPAN]) in here else 0
+                        # Own text where the sequence that last passed there is this request's; a continuation
+                        # seen once (a leaf, ~leaf in ``kids``) counts as another request's (see ``OWN``).
+                        ref = kids[t]
+                        own = OWN if ref >= 0 and last[ref] in here else 0
                         streamed[t] = (((own + mb) * 15 + (rank if rank < 2 else 2) * 5 + b) * 2, p)
             else:  # inside a chain only one sequence holds: one continuation, every time
                 follows = tree.chain_next(spos)

@@ -21,6 +21,7 @@ import torch
 from .suffix_tree import SuffixTree
 
 OPEN = -1  # a request's segment list ends with OPEN while no segment is being written (after an image)
+GONE = -2  # an evicted request's segment list: it writes no more (not even a new segment after an image)
 CONTINUABLE = 64  # ended requests whose text a new prompt may go on from (a conversation's next turn)
 
 
@@ -77,6 +78,7 @@ class StreamMemory:
         while len(self.requests) > self.max_requests:
             gone = self.requests.popleft()
             self._forget(gone)
+            gone[:] = [GONE]  # a request in flight (a row of a batch) writes no more: ``write``
             self.ended = deque(e for e in self.ended if e.segs is not gone)
         return segs
 
@@ -96,7 +98,10 @@ class StreamMemory:
 
     def end(self, segs: list[int], context: list[int], start: int) -> None:
         """A request has ended with ``context`` (all of it written): a next turn may continue its text. Past the
-        latest CONTINUABLE, the oldest will write no more (``finish``)."""
+        latest CONTINUABLE, the oldest will write no more (``finish``). One evicted while in flight is not
+        continued: its next turn is a request of its own."""
+        if segs[-1] == GONE:
+            return
         self.ended.append(Ended(list(context), segs, start))
         if len(self.ended) > CONTINUABLE:
             self.finish(self.ended.popleft().segs)
@@ -104,13 +109,15 @@ class StreamMemory:
     def _forget(self, segs: list[int]) -> None:
         """A request's occurrences leave the counts (what only it held leaves the tree)."""
         for sid in segs:
-            if sid != OPEN and sid in self.tree.seqs:
+            if sid >= 0 and sid in self.tree.seqs:
                 self.tree.remove(sid)
 
     def write(self, segs: list[int], tokens: Iterable[int]) -> None:
         """Append a request's next tokens (an image placeholder ends its segment)."""
         tree, banned = self.tree, self.banned
         sid = segs[-1]
+        if sid == GONE:  # evicted while in flight: this request writes no more
+            return
         for t in tokens:
             if t in banned:
                 if sid != OPEN:
@@ -120,7 +127,7 @@ class StreamMemory:
                 continue
             if sid == OPEN:
                 sid = segs[-1] = tree.new_seq()
-            if sid not in tree.active:  # evicted while in flight: this request writes no more
+            if sid not in tree.active:  # its sequence was taken out of the tree (``withdraw``)
                 return
             tree.append(sid, t)
 
