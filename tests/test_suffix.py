@@ -262,6 +262,20 @@ def test_a_row_evicted_while_in_flight_writes_no_more_even_after_an_image():
     assert list(memory.tree.seqs.values()) == [[7]]
 
 
+def test_the_start_every_prompt_shares_outlives_the_request_that_wrote_it():
+    """Prompts write only what the last one did not share (``unseen``): when the request that wrote the shared
+    start (a system prompt, a document) is evicted, the next prompt writes it again instead of the stream losing
+    it for good."""
+    doc = list(range(10, 60))
+    d = make_drafter("recap", 200, budget=8, stream_requests=2)
+    for i in range(6):
+        prompt = doc + [100 + i]
+        d.start(prompt, None)
+        d.end(prompt + [150 + i])
+        tree = d.stream.tree
+        assert tree.match(doc[:8]) is not None, i
+
+
 def test_the_stream_classes_a_continuation_seen_once_at_a_branch_as_another_requests_text():
     """A continuation seen once sits in a leaf: at the branch, its chance's class is another request's text
     whoever wrote it (recap.py, at ``OWN``), never a class read off the leaf's number (which a reload or an

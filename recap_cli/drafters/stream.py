@@ -77,10 +77,23 @@ class StreamMemory:
         self.requests.append(segs)
         while len(self.requests) > self.max_requests:
             gone = self.requests.popleft()
+            if self._began_last_prompt(gone):  # the start every prompt shares goes with it: the next writes it
+                self.last_prompt = []
             self._forget(gone)
             gone[:] = [GONE]  # a request in flight (a row of a batch) writes no more: ``write``
             self.ended = deque(e for e in self.ended if e.segs is not gone)
         return segs
+
+    def _began_last_prompt(self, segs: list[int]) -> bool:
+        """Whether this request's text begins as the last prompt does (it wrote the start later prompts share and
+        so skipped, ``unseen``): compared over up to ``depth`` tokens, from the prompt's first token that is text."""
+        first = next((sid for sid in segs if sid >= 0 and sid in self.tree.seqs), None)
+        at = next((i for i, t in enumerate(self.last_prompt) if t not in self.banned), None)
+        if first is None or at is None:
+            return False
+        text = self.tree.seqs[first]
+        n = min(len(text), len(self.last_prompt) - at, self.depth)
+        return list(text[:n]) == self.last_prompt[at:at + n]
 
     def resume(self, prompt: list[int]) -> Ended | None:
         """The latest ended request whose whole text this prompt goes on from (a conversation's next turn: the
