@@ -131,7 +131,7 @@ def run(
     max_new_tokens: int = typer.Option(200, min=1, help="per request, and the most a record's own "
                                        "max_new_tokens gets (the model's context length caps both)"),
     allow_longer: bool = typer.Option(False, help="let a record's own max_new_tokens go past --max-new-tokens"),
-    device: str = typer.Option("auto", help="auto, cpu or cuda"),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N"),
     dtype: str = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32 or fp64"),
     attn: str = typer.Option("sdpa", help="attention kernel: sdpa or eager"),
     memory: Optional[Path] = typer.Option(None, help="load the persistent draft memory from here; save it at the end"),
@@ -404,7 +404,7 @@ def compare(
                                 "fastest kept (batch 1): steadier per-input speedups (p10) on a busy machine"),
     report_dir: Optional[Path] = typer.Option(None, "--report", help="write report.md and speedups.png here"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the summary and every measurement here"),
-    device: str = typer.Option("auto", help="auto, cpu or cuda"),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N"),
     dtype: str = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32 or fp64"),
     attn: str = typer.Option("sdpa", help="attention kernel: sdpa or eager"),
     offline: bool = typer.Option(False, help="never ask the hub; use the local cache only (also HF_HUB_OFFLINE=1)"),
