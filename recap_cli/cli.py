@@ -202,7 +202,8 @@ def run(
     knobs = {"prefix_cache": "auto" if prefix_cache is None else prefix_cache} | knobs  # a Session argument
     if ray is not None:
         job = dict(model=model, method=method, knobs=knobs, compile=compile, device=device, dtype=dtype, attn=attn,
-                   max_new_tokens=max_new_tokens, base=base, batch=batch, decoding=decoding)
+                   max_new_tokens=max_new_tokens, allow_longer=allow_longer, base=base, batch=batch,
+                   decoding=decoding)
         _run_on_ray(source, job, dict(address=ray, workers=workers, gpus_per_worker=gpus_per_worker,
                                       cpus_per_worker=cpus_per_worker), output, resume, memory, summary, total)
     adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
@@ -586,7 +587,10 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
         try:
             outcome = scale.run(source, scale.Job(**job, fault_after=scale.fault_after()), scale.Cluster(**cluster),
                                 sink, output, resume, memory, lambda: progress.advance(task),
-                                functools.partial(_warn_unknown, warned=set()))
+                                functools.partial(_warn_unknown, warned=set()),
+                                lambda line: err.print(f"line {line} asks for more than --max-new-tokens "
+                                                       f"{job['max_new_tokens']}: capped (--allow-longer lets "
+                                                       "records go past it)", highlight=False))
         except (scale.ScaleError, ValueError) as exc:
             fail(escape(str(exc)))
         if not outcome.interrupted:

@@ -73,6 +73,18 @@ def unknown_keys(raw: bytes) -> list[str]:
     return _unknown(rec) if isinstance(rec, dict) else []
 
 
+def asked_tokens(raw: bytes) -> int | None:
+    """A line's own max_new_tokens where it gives a number (None where it gives none, or is no JSON object: its
+    record says so). For a driver that hands lines to workers unparsed (``--ray``) and still warns of the cap as a
+    local run does; the workers cap the requests themselves."""
+    try:
+        rec = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    asked = rec.get("max_new_tokens") if isinstance(rec, dict) else None
+    return asked if isinstance(asked, int) and not isinstance(asked, bool) else None
+
+
 def _unknown(rec: dict) -> list[str]:
     return [key for key in rec if key not in KEYS]
 

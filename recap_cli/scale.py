@@ -61,6 +61,7 @@ class Job:
     batch: int | None = None  # requests in flight per worker; None: by the worker's device
     fault_after: int = 0
     decoding: dict | None = None  # the command line's decoding settings (mode, options, the run's seed)
+    allow_longer: bool = False  # a record's own max_new_tokens may go past max_new_tokens (else it is capped)
 
 
 @dataclass
@@ -83,13 +84,19 @@ class Outcome:
 
 
 def run(source: IO[bytes], job: Job, cluster: Cluster, sink: IO[bytes], output: Path | None, resume: bool,
-        memory: Path | None, progress=None, unknown: Callable[[int, list[str]], None] | None = None) -> Outcome:
+        memory: Path | None, progress=None, unknown: Callable[[int, list[str]], None] | None = None,
+        capped: Callable[[int], None] | None = None) -> Outcome:
     """Answer every line of ``source`` on the cluster and write the records to ``sink`` in input order;
-    ``unknown(line, keys)`` hears of each line's keys recap does not read (the workers parse the lines)."""
+    ``unknown(line, keys)`` hears of each line's keys recap does not read (the workers parse the lines), and
+    ``capped(line)`` of the first line whose own max_new_tokens the run's cap cut."""
     lines = list(records.numbered_lines(source))
     for n, raw in lines if unknown is not None else ():
         if keys := records.unknown_keys(raw):
             unknown(n, keys)
+    for n, raw in lines if capped is not None and not job.allow_longer else ():
+        if (asked := records.asked_tokens(raw)) is not None and asked > job.max_new_tokens:
+            capped(n)
+            break
     if resume and output is not None:
         todo = pending(lines, output, job.base)
         for _ in range(len(lines) - len(todo)):
@@ -135,6 +142,14 @@ def worker_lines(outcome: Outcome) -> list[tuple[str, str]]:
                 f"mean accepted {s['mean_accepted']:.2f}" if s["answered"] else
                 f"{s['items']} items, {s['errors']} errors: nothing answered")
             for w, s in extra_summary(outcome)["per_worker"].items()]
+
+
+def parse_capped(raw: bytes, line: int, job: Job) -> records.Request:
+    """A line's request as a local run answers it: a record's own max_new_tokens is at most the run's
+    ``--max-new-tokens`` unless ``--allow-longer``."""
+    req = records.parse_line(raw, line, job.base)
+    records.cap_new_tokens(req, job.max_new_tokens, job.allow_longer)
+    return req
 
 
 def pending(lines: list[tuple[int, bytes]], output: Path, base: Path) -> list[tuple[int, bytes]]:
@@ -275,7 +290,7 @@ class Worker:
         """One record, whatever goes wrong: a worker never raises for a request."""
         req = records.Request(line, line)
         try:
-            req = records.parse_line(raw, line, self.job.base)
+            req = self._parse(line, raw)
             record = answer(self.session, req, self.job.model, self.job.max_new_tokens)
         except Exception as exc:  # noqa: BLE001 - an unexpected failure fails its record, not the worker
             record = error_record(req, self.job.method, self.job.model, f"{type(exc).__name__}: "
@@ -289,7 +304,7 @@ class Worker:
         reqs = []
         for line, raw in lines:
             try:
-                reqs.append(records.parse_line(raw, line, self.job.base))
+                reqs.append(self._parse(line, raw))
             except Exception as exc:  # noqa: BLE001 - see _answer
                 reqs.append(records.Request(line, line, error=f"{type(exc).__name__}: {records.first_line(exc)}"))
         out = []
@@ -298,6 +313,10 @@ class Worker:
             self.done += 1
             self._maybe_fault()
         return out
+
+    def _parse(self, line: int, raw: bytes) -> records.Request:
+        """One line's request, its own max_new_tokens held to the run's as a local run holds it."""
+        return parse_capped(raw, line, self.job)
 
     def _maybe_fault(self) -> None:
         if self.job.fault_after and self.done >= self.job.fault_after and \

@@ -15,7 +15,7 @@ from .test_cli_run import invoke, lines
 
 ray = pytest.importorskip("ray")  # CI installs the [ray] extra, so there these tests run
 
-from recap_cli import scale  # noqa: E402 - needs Ray
+from recap_cli import records, scale  # noqa: E402 - needs Ray
 
 BENCH = Path(__file__).resolve().parent.parent / "sample_inputs" / "bench"
 # What must equal a local run's record; timings, steps and acceptance depend on each worker's memory.
@@ -162,3 +162,28 @@ def test_workers_that_cannot_load_the_model_leave_the_output_untouched(ray_local
     result = invoke(["run", inputs, "--model", tmp_path / "no" / "model", "--ray", "auto", "-o", out])
     assert result.exit_code == 2 and "unknown model" in result.stderr, result.stderr
     assert out.read_bytes() == b'{"id": "kept"}\n'
+
+
+def test_a_records_own_max_new_tokens_is_capped_as_in_a_local_run(ray_local, tmp_path):
+    """--max-new-tokens caps a record's own max_new_tokens on the workers too (--allow-longer lifts the cap)."""
+    path = tmp_path / "long.jsonl"
+    image = str(BENCH / "images" / "demo-01.png")
+    path.write_bytes(orjson.dumps({"id": "long", "image": image, "max_new_tokens": 30}) + b"\n")
+    for extra in ((), ("--allow-longer",)):
+        local_run = invoke(["run", path, "--model", "demo", "--max-new-tokens", "4", *extra])
+        result = invoke(["run", path, "--model", "demo", "--max-new-tokens", "4", "--ray", "auto", *extra])
+        assert result.exit_code == local_run.exit_code == 0, result.stderr
+        assert same(lines(result.stdout)) == same(lines(local_run.stdout))
+        assert lines(result.stdout)[0]["new_tokens"] == (4 if not extra else lines(local_run.stdout)[0]["new_tokens"])
+        assert ("capped" in " ".join(result.stderr.split())) == (not extra)
+
+
+def test_workers_parse_a_line_as_a_local_run_caps_it(tmp_path):
+    job = scale.Job(model="demo", method="recap", knobs={}, compile="off", device="cpu", dtype="auto", attn="sdpa",
+                    max_new_tokens=5, base=tmp_path)
+    raw = b'{"id": "x", "prompt": "hi", "max_new_tokens": 50}'
+    assert scale.parse_capped(raw, 1, job).max_new_tokens == 5
+    assert [records.asked_tokens(r) for r in (raw, b"{not json", b'{"max_new_tokens": true}', b"[1]")] == [
+        50, None, None, None]  # what the driver reads to warn, never raising on a line its worker will refuse
+    job.allow_longer = True
+    assert scale.parse_capped(raw, 1, job).max_new_tokens == 50
