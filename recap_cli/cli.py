@@ -252,8 +252,7 @@ def run(
                         continue
                     if records.cap_new_tokens(req, max_new_tokens, allow_longer) and not capped:
                         capped = True
-                        err.print(f"line {req.line} asks for more than --max-new-tokens {max_new_tokens}: capped "
-                                  "(--allow-longer lets records go past it)", highlight=False)
+                        _say_capped(req.line, max_new_tokens)
                     yield req
 
             t0 = time.perf_counter()
@@ -290,6 +289,12 @@ def run(
     if stop is not None:
         raise typer.Exit(stop)
     raise typer.Exit(EXIT_FAILED_RECORDS if totals.errors else EXIT_OK)
+
+
+def _say_capped(line: int, ceiling: int) -> None:
+    """The first record whose own max_new_tokens the run's ceiling cut (said once a run)."""
+    err.print(f"line {line} asks for more than --max-new-tokens {ceiling}: capped (--allow-longer lets records go "
+              "past it)", highlight=False)
 
 
 class _OutputFailed(Exception):
@@ -588,9 +593,7 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
             outcome = scale.run(source, scale.Job(**job, fault_after=scale.fault_after()), scale.Cluster(**cluster),
                                 sink, output, resume, memory, lambda: progress.advance(task),
                                 functools.partial(_warn_unknown, warned=set()),
-                                lambda line: err.print(f"line {line} asks for more than --max-new-tokens "
-                                                       f"{job['max_new_tokens']}: capped (--allow-longer lets "
-                                                       "records go past it)", highlight=False))
+                                functools.partial(_say_capped, ceiling=job["max_new_tokens"]))
         except (scale.ScaleError, ValueError) as exc:
             fail(escape(str(exc)))
         if not outcome.interrupted:
