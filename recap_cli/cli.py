@@ -438,9 +438,8 @@ def compare(
         fail("--repeats times one request at a time; a batch is timed by its wall time over the whole dataset "
              "(use --batch 1, or run the comparison again)")
     _check_paths(inputs, json=json_out)  # a typo in a path must not cost the whole comparison's results
-    if report_dir is not None and (str(report_dir) == "-" or report_dir.exists() and not report_dir.is_dir()):
-        fail(f"--report {report_dir}: name a folder (for report.md and speedups.png)")
-    if report_dir is not None and (problem := safety.unmakeable_folder(report_dir, "--report")):
+    if report_dir is not None and (problem := safety.unmakeable_folder(report_dir, "--report",
+                                                                      "report.md and speedups.png")):
         fail(problem)
     labels = list(dict.fromkeys([baseline] + [m.strip() for m in methods.split(",") if m.strip()]))
     if len(labels) < 2:

@@ -63,26 +63,18 @@ def numbered_lines(source: IO[bytes]) -> Iterator[tuple[int, bytes]]:
                 yield line_no, raw
 
 
-def unknown_keys(raw: bytes) -> list[str]:
-    """The keys of one line's record that recap does not read (none where the line is no JSON object: its record
-    says so). For a driver that hands lines to workers unparsed (``--ray``) and still warns as a local run does."""
+def glance(raw: bytes) -> tuple[list[str], int | None]:
+    """One line's record, parsed once for a driver that hands lines to workers unparsed (``--ray``) and still warns
+    as a local run does: the keys recap does not read, and its own max_new_tokens where it gives a number (neither
+    where the line is no JSON object: its record says so; the workers parse and cap the requests themselves)."""
     try:
         rec = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        return []
-    return _unknown(rec) if isinstance(rec, dict) else []
-
-
-def asked_tokens(raw: bytes) -> int | None:
-    """A line's own max_new_tokens where it gives a number (None where it gives none, or is no JSON object: its
-    record says so). For a driver that hands lines to workers unparsed (``--ray``) and still warns of the cap as a
-    local run does; the workers cap the requests themselves."""
-    try:
-        rec = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    asked = rec.get("max_new_tokens") if isinstance(rec, dict) else None
-    return asked if isinstance(asked, int) and not isinstance(asked, bool) else None
+        return [], None
+    if not isinstance(rec, dict):
+        return [], None
+    asked = rec.get("max_new_tokens")
+    return _unknown(rec), asked if isinstance(asked, int) and not isinstance(asked, bool) else None
 
 
 def _unknown(rec: dict) -> list[str]:

@@ -58,9 +58,11 @@ def unwritable(path: Path, flag: str, atomic: bool = False) -> str | None:
     return None
 
 
-def unmakeable_folder(path: Path, flag: str) -> str | None:
-    """The sentence saying why the folder ``path`` cannot be made (or written in), or None: what a report is
-    written to at the end of a comparison, checked before it starts."""
+def unmakeable_folder(path: Path, flag: str, holds: str) -> str | None:
+    """The sentence saying why the folder ``path`` (for the files ``holds`` names) cannot be made or written in,
+    or None: what a report is written to at the end of a comparison, checked before it starts."""
+    if str(path) == "-" or path.exists() and not path.is_dir():
+        return f"{flag} {path}: name a folder (for {holds})"
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent

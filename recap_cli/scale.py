@@ -90,13 +90,14 @@ def run(source: IO[bytes], job: Job, cluster: Cluster, sink: IO[bytes], output: 
     ``unknown(line, keys)`` hears of each line's keys recap does not read (the workers parse the lines), and
     ``capped(line)`` of the first line whose own max_new_tokens the run's cap cut."""
     lines = list(records.numbered_lines(source))
-    for n, raw in lines if unknown is not None else ():
-        if keys := records.unknown_keys(raw):
+    cap = capped is not None and not job.allow_longer  # said of the first capped line only
+    for n, raw in lines if unknown is not None or cap else ():
+        keys, asked = records.glance(raw)
+        if keys and unknown is not None:
             unknown(n, keys)
-    for n, raw in lines if capped is not None and not job.allow_longer else ():
-        if (asked := records.asked_tokens(raw)) is not None and asked > job.max_new_tokens:
+        if cap and asked is not None and asked > job.max_new_tokens:
             capped(n)
-            break
+            cap = False
     if resume and output is not None:
         todo = pending(lines, output, job.base)
         for _ in range(len(lines) - len(todo)):

@@ -183,7 +183,7 @@ def test_workers_parse_a_line_as_a_local_run_caps_it(tmp_path):
                     max_new_tokens=5, base=tmp_path)
     raw = b'{"id": "x", "prompt": "hi", "max_new_tokens": 50}'
     assert scale.parse_capped(raw, 1, job).max_new_tokens == 5
-    assert [records.asked_tokens(r) for r in (raw, b"{not json", b'{"max_new_tokens": true}', b"[1]")] == [
-        50, None, None, None]  # what the driver reads to warn, never raising on a line its worker will refuse
+    assert [records.glance(r) for r in (raw, b"{not json", b'{"max_new_tokens": true, "promt": 1}', b"[1]")] == [
+        ([], 50), ([], None), (["promt"], None), ([], None)]  # what the driver reads to warn, never raising
     job.allow_longer = True
     assert scale.parse_capped(raw, 1, job).max_new_tokens == 50
