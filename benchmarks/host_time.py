@@ -28,6 +28,7 @@ costs and any difference in size comes from the drafting code itself.
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import importlib
 import os
@@ -210,8 +211,10 @@ def measure(model: str, inputs: list[Path], budget: str, max_new_tokens: int, li
 
 
 def checkout(ref: str) -> Path:
-    """recap_cli as it was at commit ``ref``, in a temporary folder."""
+    """recap_cli as it was at commit ``ref``, in a temporary folder removed when the script ends (an error and
+    Ctrl-C included): the callers import from it or run processes on it until then, so it cannot go sooner."""
     where = Path(tempfile.mkdtemp(prefix="recap-before-"))
+    atexit.register(shutil.rmtree, where, ignore_errors=True)
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "recap_cli"], check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
     return where
