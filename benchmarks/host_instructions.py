@@ -95,6 +95,27 @@ def instructions(code: Path, path: Path, run: bool) -> int:
     return int(re.search(r"Collected : (\d+)", out.stderr).group(1))
 
 
+def measure(args: argparse.Namespace, sides: dict[str, Path], work: Path) -> list[dict]:
+    """Record each side's calls at each budget into ``work``, and count the instructions of replaying them."""
+    rows = []
+    for budget in args.budgets.split(","):
+        for side, code in sides.items():
+            calls = work / f"{side}-{budget}.pkl"
+            subprocess.run([sys.executable, __file__, "--record", str(calls), "--code", str(code), "--budget", budget,
+                            "--model", args.model, "--inputs", *args.inputs], check=True, cwd=ROOT)
+            steps, requests = orjson.loads(calls.with_suffix(".json").read_bytes())
+            total = instructions(code, calls, True) - instructions(code, calls, False)
+            row = {"budget": budget, "side": side, "ref": args.before if side == "before" else "this tree",
+                   "steps": steps, "requests": requests, "instructions": total, "per_step": total / steps}
+            rows.append(row)
+            print(f"budget {budget:4s} {side:6s}: {steps} steps, {requests} requests; {total / 1e6:,.0f} M "
+                  f"instructions, {row['per_step'] / 1e6:.3f} M a step", flush=True)
+        if len(sides) == 2:
+            before, after = rows[-2]["per_step"], rows[-1]["per_step"]
+            print(f"budget {budget:4s} after / before: {after / before:.2f}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--model", default="demo")
@@ -119,22 +140,8 @@ def main() -> None:
         from host_time import checkout
 
         sides = {"before": checkout(args.before), "after": ROOT}
-    rows, work = [], Path(tempfile.mkdtemp(prefix="recap-calls-"))
-    for budget in args.budgets.split(","):
-        for side, code in sides.items():
-            calls = work / f"{side}-{budget}.pkl"
-            subprocess.run([sys.executable, __file__, "--record", str(calls), "--code", str(code), "--budget", budget,
-                            "--model", args.model, "--inputs", *args.inputs], check=True, cwd=ROOT)
-            steps, requests = orjson.loads(calls.with_suffix(".json").read_bytes())
-            total = instructions(code, calls, True) - instructions(code, calls, False)
-            row = {"budget": budget, "side": side, "ref": args.before if side == "before" else "this tree",
-                   "steps": steps, "requests": requests, "instructions": total, "per_step": total / steps}
-            rows.append(row)
-            print(f"budget {budget:4s} {side:6s}: {steps} steps, {requests} requests; {total / 1e6:,.0f} M "
-                  f"instructions, {row['per_step'] / 1e6:.3f} M a step", flush=True)
-        if len(sides) == 2:
-            before, after = rows[-2]["per_step"], rows[-1]["per_step"]
-            print(f"budget {budget:4s} after / before: {after / before:.2f}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="recap-calls-") as folder:  # the recorded calls go when it ends
+        rows = measure(args, sides, Path(folder))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_bytes(orjson.dumps({"model": args.model, "inputs": args.inputs, "rows": rows},

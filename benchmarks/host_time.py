@@ -260,7 +260,7 @@ def main() -> None:
                            args.method, args.costs, args.flush):
             row["ref"] = args.before if row["side"] == "before" else "this tree"
             results.append(row)
-            ms, fast = row["ms_per_step"], row["fastest_ms_per_step"]
+            ms = row["ms_per_step"]
             print(f"{row['side']:6s} {row['method']:6s} budget {budget:4s}: {row['steps']} steps, "
                   f"{row['nodes_per_step']:.1f} nodes/step; propose {ms['propose']:.3f} + observe "
                   f"{ms['observe']:.3f} = drafting {row['drafting_ms']:.3f} ms/step (fastest "
