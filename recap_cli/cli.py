@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import records, report, safety
-from .options import (DEFAULT_BATCH, EVERY_DATASET, GENERATION_CONFIGS, HF_METHODS, METHODS, check_loading,
+from .options import (DEFAULT_BATCH, EVERY_DATASET, GENERATION_CONFIGS, METHODS, check_loading,
                       check_settings, default_batch, parse_budget, parse_knob, parse_method)
 from .registry import FAMILIES, on_disk
 
@@ -506,29 +506,29 @@ def compare(
         if not rows:
             raise typer.Exit(stop)
     summary = comparison.summarize(rows, baseline)
-    report.table(summary, baseline, err)
+    checked = comparison.reference(labels, baseline)
+    report.table(summary, baseline, err, checked)
     timed = f", fastest of {repeats} runs per input" if repeats > 1 else ""
     header = (f"model `{model}`, {measured} inputs" + (f" of {len(requests)} (interrupted)" if stop else "") +
               f", batch {batch}{timed}, max {max_new_tokens} new tokens, "
               f"device {adapter.device}, dtype {str(adapter.model.dtype).removeprefix('torch.')}, "
               f"{sampling.sentence(settings)}")
     if json_out is not None:
-        json_out.write_bytes(orjson.dumps({"setup": header, "baseline": baseline, "summary": summary,
+        json_out.write_bytes(orjson.dumps({"setup": header, "baseline": baseline, "checked_against": checked,
+                                           "summary": summary,
                                            "rows": comparison.rows_as_dicts(rows), "interrupted": stop is not None},
                                           option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
     if report_dir is not None:
         try:
             report_dir.mkdir(parents=True, exist_ok=True)
-            (report_dir / "report.md").write_text(report.markdown(summary, baseline, header) + "\n")
+            (report_dir / "report.md").write_text(report.markdown(summary, baseline, header, checked) + "\n")
             report.plot(summary, report_dir / "speedups.png")
             info(f"report written to {report_dir}")
         except OSError as exc:  # what the checks before the model could not foresee (a full disk, /proc)
             fail(f"--report {escape(str(report_dir))}: cannot write it ({escape(exc.strerror or str(exc))}); "
                  "the rows on stdout" + (" and --json" if json_out is not None else "") + " have the results")
     # Sampled tokens of hf come from torch's generator, not recap's draws: their mismatches are shown, not failures.
-    exempt = HF_METHODS if settings.sampling else ()
-    mismatched = any(s["mismatches"] for ms in summary.values() for label, s in ms.items()
-                     if parse_method(label)[0] not in exempt)
+    mismatched = bool(comparison.unexpected(rows))
     failed, uneven = comparison.failures(rows)
     _name_failures(failed, uneven, measured, allow_failures)
     nothing = all(r.error is not None for r in rows)

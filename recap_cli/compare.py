@@ -34,12 +34,13 @@ class Measurement:
     draft_s: float = 0.0
     decode_s: float = 0.0
     wall_s: float = 0.0  # its share of the wall time its method took over the dataset (batched: wall / inputs)
-    match: bool | None = None  # tokens equal the baseline's
+    match: bool | None = None  # tokens equal the reference method's (the baseline's unless that is hf: reference)
     error: str | None = None
     prompt_tokens: int = 0
     prefix_hit: int = 0  # prompt tokens taken from the prefix cache
     input: int | None = None  # its position among all inputs: what pairs it with the baseline's (ids repeat)
     line: int | None = None  # its line in its file
+    sampled: bool = False  # its tokens were drawn (the run's or its record's settings sample)
 
     @property
     def key(self) -> int | str:
@@ -81,6 +82,7 @@ def run(sessions: dict, requests: list[Request], baseline: str, model: str, max_
     labels = list(sessions)
     if baseline not in sessions:
         raise ValueError(f"the baseline '{baseline}' must be among the methods")
+    checked = reference(labels, baseline)
     if repeats < 1:
         raise ValueError("repeats is at least 1")
     if repeats > 1 and getattr(sessions[baseline], "batch", 1) > 1:
@@ -97,15 +99,37 @@ def run(sessions: dict, requests: list[Request], baseline: str, model: str, max_
             for s in sessions.values():
                 s.reset_memory()
         if getattr(sessions[baseline], "batch", 1) > 1:
-            rows.extend(_run_batched(sessions, reqs, d, dataset, baseline, model, max_new_tokens, on_input, position))
+            rows.extend(_run_batched(sessions, reqs, d, dataset, checked, model, max_new_tokens, on_input, position))
             continue
         for i, req in enumerate(reqs):
             order = labels[i % len(labels):] + labels[: i % len(labels)]
             answered = _fastest(sessions, order, req, model, max_new_tokens, repeats)
             measured = {label: _measured(*answered[label], req, dataset, label, input=position[id(req)])
                         for label in order}
-            rows.extend(_matched(measured, baseline, on_input))
+            rows.extend(_matched(measured, checked, on_input))
     return rows
+
+
+def reference(labels: list[str], baseline: str) -> str:
+    """The method whose tokens every method's are checked against: the baseline, unless it is a generate() method
+    and a recap method is compared too. hf's sampled tokens are torch's draws, which no recap method reproduces:
+    checked against them, every recap method would be reported as differing (and a real difference hidden among
+    them), so recap's methods are checked against the first of them, and hf against it as usual."""
+    if not _generate(baseline):
+        return baseline
+    return next((label for label in labels if not _generate(label)), baseline)
+
+
+def unexpected(rows: list[Measurement]) -> list[Measurement]:
+    """The mismatches that are faults: all but a generate() method's on a sampled input (its tokens come from
+    torch's generator, not recap's draws: the same distribution, other tokens, as docs/sampling.md says). Decided
+    per input, since a record's own settings may sample in a greedy run."""
+    return [r for r in rows if r.match is False and not (r.sampled and _generate(r.method))]
+
+
+def _generate(label: str) -> bool:
+    """Whether a method label (``hf``, ``recap:budget=16``) names transformers' generate()."""
+    return label.partition(":")[0] in HF_METHODS
 
 
 def _fastest(sessions: dict, order: list[str], req: Request, model: str, max_new_tokens: int,
@@ -142,7 +166,7 @@ def _seconds(record: dict) -> float:
     return record["prefill_ms"] + record["decode_ms"]
 
 
-def _run_batched(sessions: dict, reqs: list[Request], d: int, dataset: str, baseline: str, model: str,
+def _run_batched(sessions: dict, reqs: list[Request], d: int, dataset: str, checked: str, model: str,
                  max_new_tokens: int, on_input: Callable[[list[Measurement]], None] | None,
                  position: dict[int, int]) -> list[Measurement]:
     """Every method over the whole dataset with its requests in flight together (the method order rotates
@@ -157,14 +181,14 @@ def _run_batched(sessions: dict, reqs: list[Request], d: int, dataset: str, base
                           for (record, tokens), req in zip(answered, reqs)]
     rows = []
     for i in range(len(reqs)):
-        rows.extend(_matched({label: results[label][i] for label in labels}, baseline, on_input))
+        rows.extend(_matched({label: results[label][i] for label in labels}, checked, on_input))
     return rows
 
 
-def _matched(measured: dict[str, tuple[Measurement, list[list[int]]]], baseline: str,
+def _matched(measured: dict[str, tuple[Measurement, list[list[int]]]], checked: str,
              on_input: Callable[[list[Measurement]], None] | None) -> list[Measurement]:
-    """One input's measurements, each checked against the baseline's tokens."""
-    base, base_tokens = measured[baseline]
+    """One input's measurements, each checked against the tokens of the reference method ``checked``."""
+    base, base_tokens = measured[checked]
     batch = []
     for m, tokens in measured.values():
         if m.error is None and base.error is None:
@@ -187,6 +211,7 @@ def _measured(record: dict, tokens: list[list[int]], req: Request, dataset: str,
         m.draft_s = record["draft_ms"] / 1000
         m.decode_s = record["decode_ms"] / 1000
         m.prompt_tokens, m.prefix_hit = record.get("prompt_tokens", 0), record.get("prefix_hit", 0)
+        m.sampled = bool(record.get("decoding", {}).get("do_sample"))
     m.wall_s = m.seconds if wall_s is None else wall_s
     return m, tokens
 

@@ -38,7 +38,9 @@ def _fmt(key: str, value) -> str:
     return f"{value:.2f}"
 
 
-def table(summary: dict, baseline: str, console: Console) -> None:
+def table(summary: dict, baseline: str, console: Console, checked: str | None = None) -> None:
+    """Each dataset's figures over ``baseline``, and the methods whose tokens differ from those of ``checked``,
+    the method tokens are checked against (the baseline unless that is hf: compare.reference)."""
     for dataset, methods in summary.items():
         t = Table(title=f"{dataset} — speedup over {baseline}", title_justify="left")
         t.add_column("method", overflow="fold", min_width=6)
@@ -51,8 +53,8 @@ def table(summary: dict, baseline: str, console: Console) -> None:
             console.print(note, highlight=False, markup=False)
         for method, s in methods.items():
             if s["mismatches"]:
-                console.print(f"[yellow]{method}: tokens differ from {baseline} on {len(s['mismatches'])} "
-                              f"input(s): {', '.join(s['mismatches'][:20])}[/]")
+                console.print(f"[yellow]{method}: tokens differ from {checked or baseline} on "
+                              f"{len(s['mismatches'])} input(s): {', '.join(s['mismatches'][:20])}[/]")
 
 
 def blank_notes(methods: dict) -> list[str]:
@@ -71,7 +73,7 @@ def blank_notes(methods: dict) -> list[str]:
     return notes
 
 
-def markdown(summary: dict, baseline: str, header: str = "") -> str:
+def markdown(summary: dict, baseline: str, header: str = "", checked: str | None = None) -> str:
     lines = [header] if header else []
     for dataset, methods in summary.items():
         lines += [f"### {dataset} (speedup over `{baseline}`)", "",
@@ -85,7 +87,7 @@ def markdown(summary: dict, baseline: str, header: str = "") -> str:
         if notes := blank_notes(methods):
             lines += [f"- {note}" for note in notes] + [""]
         for method, ids in bad.items():
-            lines.append(f"- `{method}` differs from `{baseline}` on: {', '.join(ids)}")
+            lines.append(f"- `{method}` differs from `{checked or baseline}` on: {', '.join(ids)}")
         for method, s in failed.items():
             lines.append(f"- `{method}` failed on {s['errors']} of {s['inputs']} inputs (left out of the statistics)")
         if bad or failed:

@@ -394,3 +394,42 @@ def test_an_interrupted_comparison_still_reports_the_inputs_it_measured(model_di
     data = orjson.loads((tmp_path / "c.json").read_bytes())
     assert data["interrupted"] is True and data["summary"]["in"]["recap"]["inputs"] == 1
     assert "1 inputs of 3 (interrupted)" in data["setup"]
+
+
+# --- hf's sampled tokens: shown, never a fault, and never what recap's methods are checked against --------------
+
+def test_with_hf_as_baseline_recaps_methods_are_checked_against_each_other():
+    sessions = {"hf": FakeSession("hf", [], 1.0, wrong_on={"q0"}), "ar": FakeSession("ar", [], 2.0),
+                "recap": FakeSession("recap", [], 1.0, wrong_on={"q1"})}
+    assert comparison.reference(list(sessions), "hf") == "ar"
+    assert comparison.reference(["hf", "hf-pld"], "hf") == "hf" and comparison.reference(["ar", "hf"], "ar") == "ar"
+    rows = run(sessions, requests(("A", "q0"), ("A", "q1")), "hf", "fake", 8, warmup=0)
+    assert {(r.method, r.input) for r in rows if not r.match} == {("hf", 0), ("recap", 1)}
+    summary = summarize(rows, "hf")["A"]
+    assert summary["hf"]["mean_speedup"] == 1.0 and summary["ar"]["mean_speedup"] == pytest.approx(0.5)
+
+
+def test_only_hfs_mismatches_on_sampled_inputs_are_expected():
+    rows = [Measurement(id="a", dataset="d", method="hf", match=False, sampled=True),
+            Measurement(id="b", dataset="d", method="hf", match=False),  # greedy: hf must match
+            Measurement(id="a", dataset="d", method="recap:budget=8", match=False, sampled=True),
+            Measurement(id="a", dataset="d", method="hf-pld", match=True, sampled=True)]
+    assert [(r.method, r.id) for r in comparison.unexpected(rows)] == [("hf", "b"), ("recap:budget=8", "a")]
+
+
+def test_compare_cli_exits_0_when_only_hfs_sampled_tokens_differ(model_dirs, tmp_path):
+    """A record that samples in a greedy run, and hf as the baseline of a sampled run: hf's tokens are torch's
+    draws, so its differences are shown but are no fault (they exited 1), and recap is checked against ar."""
+    (tmp_path / "s.jsonl").write_bytes(b'{"id": 1, "prompt": "Tell me about the sea."}\n'
+                                       b'{"id": 2, "prompt": "Name three colours.", "temperature": 0.9, "seed": 4}\n')
+    args = ["compare", str(tmp_path / "s.jsonl"), "--model", str(model_dirs["text"]), "--max-new-tokens", "12",
+            "--json", str(tmp_path / "cmp.json")]
+    own = CliRunner().invoke(cli.app, [*args, "--methods", "recap,hf"])
+    assert own.exit_code == 0, own.stderr
+    assert "hf: tokens differ from ar on 1 input(s): 2" in " ".join(own.stderr.split())
+    under_hf = CliRunner().invoke(cli.app, [*args, "--baseline", "hf", "--methods", "recap,ar", "--temperature",
+                                            "0.8", "--seed", "1"])
+    assert under_hf.exit_code == 0, under_hf.stderr
+    data = orjson.loads((tmp_path / "cmp.json").read_bytes())
+    assert data["checked_against"] == "recap" and data["summary"]["s"]["ar"]["match_rate"] == 1.0
+    assert all(r["sampled"] for r in data["rows"]) and "tokens differ from recap" in under_hf.stderr
