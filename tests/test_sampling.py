@@ -358,6 +358,21 @@ def test_candidates_keep_what_transformers_warpers_keep():
         assert ((above[differ] - top_p).abs() < 1e-5).all() and differ.sum() <= 3, top_p
 
 
+def test_top_p_0_keeps_the_best_token_as_transformers_does(model_dirs, tmp_path):
+    """top_p 0 (a value the options accept) without top-k: TopPLogitsWarper keeps the best token alone; the nucleus
+    masked every token and each request failed with an index error."""
+    scores = torch.randn(4, 300) * 3
+    values, ids = sampling.nucleus(scores, 0.0, 8)
+    kept = torch.full_like(scores, -math.inf).scatter(-1, ids, values)
+    assert torch.equal(torch.isfinite(kept), torch.isfinite(lp.TopPLogitsWarper(0.0)(None, scores)))
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_bytes(jsonl({"id": 1, "prompt": "Tell me about the sea."}))
+    common = ["run", inputs, "--model", model_dirs["text"], "--max-new-tokens", "8", "--method", "ar"]
+    sampled, greedy = (invoke([*common, *extra]) for extra in (["--top-k", "0", "--top-p", "0", "--seed", "3"], []))
+    assert sampled.exit_code == 0, sampled.stdout
+    assert lines(sampled.stdout)[0]["answer"] == lines(greedy.stdout)[0]["answer"]
+
+
 def test_uniforms_depend_on_seed_request_turn_and_position_only():
     u = sampling.uniform
     assert u(1, b"k", 0, 3) == u(1, b"k", 0, 3)

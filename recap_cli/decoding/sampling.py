@@ -389,9 +389,9 @@ def nucleus(scores: torch.Tensor, top_p: float, k: int) -> tuple[torch.Tensor, t
         if width == scores.shape[-1] or bool((probs.sum(-1) >= top_p).all()):
             break
         width = min(scores.shape[-1], 4 * width)
-    above = probs.cumsum(-1) - probs
-    above[:, 0] = 0.0  # the best token always stays (min_tokens_to_keep 1)
-    return _in_id_order(values.masked_fill(above >= top_p, -math.inf), ids, None)
+    removed = probs.cumsum(-1) - probs >= top_p
+    removed[:, 0] = False  # the best token always stays (min_tokens_to_keep 1), top_p 0 included: greedy
+    return _in_id_order(values.masked_fill(removed, -math.inf), ids, None)
 
 
 def _in_id_order(values: torch.Tensor, ids: torch.Tensor, floor: torch.Tensor | None):
