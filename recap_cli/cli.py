@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import records, report, safety
-from .options import (DEFAULT_BATCH, EVERY_DATASET, GENERATION_CONFIGS, METHODS, check_loading,
+from .options import (DEFAULT_BATCH, EVERY_DATASET, GENERATION_CONFIGS, METHODS, check_batch, check_loading,
                       check_settings, default_batch, parse_budget, parse_knob, parse_method)
 from .registry import FAMILIES, on_disk
 
@@ -446,7 +446,7 @@ def compare(
         fail(f"--methods names no method besides the baseline ({baseline}): nothing to compare it with")
     try:
         for label in labels:
-            parse_method(label)
+            check_batch(parse_method(label)[0], batch)
     except ValueError as exc:
         fail(str(exc))
     decoding = _decoding_asked(generation_config, temperature=temperature, top_p=top_p, top_k=top_k,

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 from .adapters import Adapter
 from .batch import answer_all, answer_with_tokens
 from .decoding.sampling import GREEDY, Settings
-from .options import EVERY_DATASET, HF_METHODS, parse_method  # noqa: F401 (parse_method: the benchmarks read it here)
+from .options import (EVERY_DATASET, HF_METHODS, check_batch,  # noqa: F401 (parse_method: the benchmarks read it here)
+                      parse_method)
 from .records import Request
 from .session import GenerateSession, Session
 
@@ -59,9 +60,8 @@ def make_session(adapter: Adapter, spec: str, batch: int = 1,
     give the baseline's tokens; hf's sampled tokens come from torch's generator, so its match rate is low.
     ``prefix_cache``: MB of prefix reuse (or ``auto``) for every method that does not set its own (``:prefix=``)."""
     name, knobs = parse_method(spec)
+    check_batch(name, batch)
     if name in HF_METHODS:
-        if batch > 1:
-            raise ValueError(f"{name} runs transformers' generate() one request at a time: compare it at --batch 1")
         return GenerateSession(adapter, name, sampling=sampling)
     return Session(adapter, name, batch=batch, sampling=sampling, **{"prefix_cache": prefix_cache} | knobs)
 

@@ -129,6 +129,13 @@ def parse_method(spec: str) -> tuple[str, dict]:
     return name, knobs | reuse
 
 
+def check_batch(method: str, batch: int) -> None:
+    """Refuse a generate() method at ``batch`` > 1 (it answers one request at a time), before the model loads:
+    found when its session is made, the refusal came after a load of minutes for a large model."""
+    if method in HF_METHODS and batch > 1:
+        raise ValueError(f"{method} runs transformers' generate() one request at a time: compare it at --batch 1")
+
+
 def parse_budget(method: str, value: str) -> int | str:
     """``auto`` (trees sized by measured step cost) or a number of draft nodes; Token Recycling keeps its
     80-node template unless cut by cost (``auto``)."""
