@@ -446,6 +446,9 @@ def compare(
         fail(f"--methods names no method besides the baseline ({baseline}): nothing to compare it with")
     try:
         for label in labels:
+            if label.isdigit():  # `recap:orders=1,2`: the comma ended the variant ("unknown method '2'" misled)
+                raise ValueError(f"'{label}' in --methods is no method: commas separate methods, so a variant "
+                                 "gives its orders as digits (recap:orders=12)")
             check_batch(parse_method(label)[0], batch)
     except ValueError as exc:
         fail(str(exc))

@@ -361,6 +361,8 @@ def test_compare_usage_errors_come_before_the_model(tmp_path):
     assert r.exit_code == 2 and "a dataset is named 'all'" in " ".join(r.stderr.split()), r.stderr
     r = CliRunner().invoke(cli.app, base + ["--methods", "recap:top_k=0"])
     assert r.exit_code == 2 and "top_k takes" in r.stderr and "Traceback" not in r.stderr
+    r = CliRunner().invoke(cli.app, base + ["--methods", "recap:orders=1,2"])
+    assert r.exit_code == 2 and "as digits (recap:orders=12)" in " ".join(r.stderr.split()), r.stderr
     r = CliRunner().invoke(cli.app, base + ["--methods", "recap,hf", "--batch", "3"])
     assert r.exit_code == 2 and "compare it at --batch 1" in " ".join(r.stderr.split()), r.stderr
     r = CliRunner().invoke(cli.app, base + ["--methods", "recap", "--dtype", "fp8"])
