@@ -431,7 +431,8 @@ def compare(
     """Run every method on the same inputs, interleaved, and report speedups over the baseline.
 
     stdout gets one JSON line per (input, method) measurement; the tables go to stderr. Exit 1 when a method's
-    tokens differ from the baseline's, or when a method failed on an input another method answered."""
+    tokens differ from the baseline's (hf's sampled tokens excepted), or when a method failed on an input another
+    method answered."""
     _set_output(quiet)
     _check_loading(device, dtype, attn)
     if repeats > 1 and batch > 1:
