@@ -185,7 +185,7 @@ def load_image(path: Path, max_pixels: int = MAX_IMAGE_PIXELS, root: Path | None
             w, h = img.size  # read from the header: a huge image is refused before it is decoded
             if w * h > max_pixels:
                 raise ValueError(f"image too large: {w}x{h} pixels (limit {max_pixels})")
-            return _upright(img).convert("RGB")
+            return _eight_bit(_upright(img)).convert("RGB")
     except (UnidentifiedImageError, Image.DecompressionBombError) as exc:
         raise ValueError(f"cannot read image {path}: {exc}") from exc
     except OSError as exc:
@@ -198,6 +198,15 @@ def _upright(img: Image.Image) -> Image.Image:
         return ImageOps.exif_transpose(img)
     except (SyntaxError, ValueError, TypeError, KeyError, IndexError, struct.error):
         return img
+
+
+def _eight_bit(img: Image.Image) -> Image.Image:
+    """A 16-bit grayscale image scaled to 8 bits: PNG and TIFF open in PIL's I;16 modes, a 16-bit PGM as mode I
+    (taken as 16-bit when a value is over 255). PIL converts them to RGB by clipping every value over 255, so a
+    scan or a medical image would reach the model as a white page."""
+    if not (img.mode.startswith("I;16") or img.mode == "I" and img.getextrema()[1] > 255):
+        return img
+    return img.convert("I").point(lambda v: v / 256).convert("L")
 
 
 def user_message(text: str, with_image: bool) -> Message:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from PIL import Image
 
 from recap_cli.records import load_image, parse_line, unknown_key
 
@@ -40,3 +41,21 @@ def test_a_url_or_a_folder_as_the_image_says_so(tmp_path):
     assert "is a URL" in parse({"id": "u", "image": "https://example.com/cat.jpg"}).error
     with pytest.raises(ValueError, match="is a folder"):
         load_image(tmp_path)
+
+
+
+@pytest.mark.parametrize("mode, suffix, opened", [("I;16", "png", "I;16"), ("I;16B", "tif", "I;16B"),
+                                                  ("I;16", "pgm", "I")])
+def test_a_16_bit_grayscale_image_is_scaled_not_clipped_to_white(tmp_path, mode, suffix, opened):
+    """PIL's own conversion to RGB clips 16-bit values over 255: every pixel of a 16-bit PNG came out white."""
+    gray = Image.linear_gradient("L").resize((64, 48))  # 0..255
+    wide = Image.frombytes("I", gray.size, b"".join((v * 257).to_bytes(4, "little") for v in gray.getdata()))
+    path = tmp_path / f"g16.{suffix}"
+    wide.convert(mode).save(path)
+    assert Image.open(path).mode == opened
+    assert load_image(path).tobytes() == gray.convert("RGB").tobytes()
+
+
+def test_a_32_bit_image_within_8_bits_reads_as_it_always_did(tmp_path):
+    Image.new("I", (8, 8), 200).save(tmp_path / "dark.tif")
+    assert load_image(tmp_path / "dark.tif").tobytes() == Image.new("RGB", (8, 8), (200,) * 3).tobytes()
