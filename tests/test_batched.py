@@ -372,6 +372,33 @@ def test_a_joint_prefill_that_fails_is_retried_alone(get_adapter, tmp_path, monk
             assert len(session.drafter.cached) == turns
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_a_step_that_fails_fails_its_rows_and_the_run_goes_on(get_adapter, tmp_path, monkeypatch, static):
+    """The rows' caches growing a step out of memory mid-batch used to end the whole run (a traceback, no
+    memory saved, the finished records waiting behind the failed ones lost): now the rows of that step get
+    the error, as a failed decode does at batch 1, and every later request is answered as at batch 1."""
+    adapter = get_adapter("text")
+    reqs = stream("text", tmp_path, 8)
+    want = run(Session(adapter, "ar"), reqs)
+    engine = StaticBatchEngine if static else BatchEngine
+    real, calls = engine.verify, []
+
+    def verify(self, trees, *args):
+        calls.append(len(trees))
+        if len(calls) == 3:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")
+        return real(self, trees, *args)
+
+    monkeypatch.setattr(engine, "verify", verify)
+    out = run(Session(adapter, "recap", batch=4, static=static), reqs)
+    failed = [i for i, (record, _) in enumerate(out) if record["error"]]
+    assert len(failed) == calls[2]  # every row of the failed step, and only those
+    assert all(out[i][0]["error"].endswith("RuntimeError: CUDA out of memory. Tried to allocate 2 GiB")
+               for i in failed)
+    assert [t for i, (_, t) in enumerate(out) if i not in failed] == [
+        t for i, (_, t) in enumerate(want) if i not in failed]
+
+
 def test_rows_share_persistent_memory_and_own_request_memory(get_adapter, tmp_path):
     adapter = get_adapter("text")
     session = Session(adapter, "recap", batch=3)

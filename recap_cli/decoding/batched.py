@@ -591,7 +591,9 @@ class Batch:
 
     def step(self) -> list[Outcome]:
         """One verification of every row. A row whose host work raises (its drafter, its bookkeeping) leaves
-        with the exception as its result; the others go on unchanged."""
+        with the exception as its result; the others go on unchanged. A forward pass that raises (out of memory
+        as the rows' caches grow) fails every row it verified, as a failed decode fails its request at batch 1:
+        the run goes on with the next requests, never ends on the batch's shared step (``_verify_or_fail``)."""
         failed: dict[int, Exception] = {}
         started = time.perf_counter()
         trees, draft_s = self._draft(failed)
@@ -602,8 +604,10 @@ class Batch:
         trees = [t for i, t in enumerate(trees) if i not in failed]
         draft_s = [d for i, d in enumerate(draft_s) if i not in failed]
         t0 = time.perf_counter()
-        pickers = [f.picker for f in self.flights]
-        verified = self.engine.verify(trees, pickers) if any(pickers) else self.engine.verify(trees)
+        verified = self._verify_or_fail(trees)
+        if isinstance(verified, Exception):
+            everyone = list(range(len(self.flights)))
+            return out + self._leave(everyone, dict.fromkeys(everyone, verified))
         verify_s = time.perf_counter() - t0
         if self.on_step is not None:
             self.on_step(len(self.flights))
@@ -637,6 +641,17 @@ class Batch:
         if drafting:
             self.yields += YIELD_RATE * (sum(drafting) / len(drafting) - self.yields)
         return out + self._leave(sorted(ended + list(failed)), failed)
+
+    def _verify_or_fail(self, trees: list[Tree]) -> list[Verified] | Exception:
+        """The step's verdicts, or the exception its forward pass raised: that is every row's result. No row can
+        go on: the pass may have written some layers' cache columns and not others; every row leaving empties
+        the cache (``BatchEngine.leave``), so the next turns join a clean one."""
+        pickers = [f.picker for f in self.flights]
+        try:
+            return self.engine.verify(trees, pickers) if any(pickers) else self.engine.verify(trees)
+        except Exception as exc:  # noqa: BLE001 - see step()
+            self.engine.cost.probing = False  # a probe that never ran measured nothing
+            return exc
 
     def _draft(self, failed: dict[int, Exception]) -> tuple[list[Tree], list[float]]:
         """Every row's tree. The step's width is chosen first, for all rows together, from the chances each
