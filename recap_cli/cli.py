@@ -205,7 +205,8 @@ def run(
                    max_new_tokens=max_new_tokens, allow_longer=allow_longer, base=base, batch=batch,
                    decoding=decoding)
         _run_on_ray(source, job, dict(address=ray, workers=workers, gpus_per_worker=gpus_per_worker,
-                                      cpus_per_worker=cpus_per_worker), output, resume, memory, summary, total)
+                                      cpus_per_worker=cpus_per_worker), output, resume, memory, summary, total,
+                    warm=saved is not None)
     adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
     from .batch import Totals, answer_all, run_figures
     from .models import ModelError
@@ -584,7 +585,9 @@ def _loaded(model: str, offline: bool, **how):
 
 
 def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None, resume: bool,
-                memory: Path | None, summary: Path | None, total: int | None) -> None:
+                memory: Path | None, summary: Path | None, total: int | None, warm: bool = True) -> None:
+    """``warm``: the workers start from --memory's file; False when the checks before the model chose a cold
+    start (--memory-cold-on-error on a damaged file), which the run's end then overwrites."""
     try:
         from . import scale
     except ImportError:
@@ -596,7 +599,7 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
             outcome = scale.run(source, scale.Job(**job, fault_after=scale.fault_after()), scale.Cluster(**cluster),
                                 sink, output, resume, memory, lambda: progress.advance(task),
                                 functools.partial(_warn_unknown, warned=set()),
-                                functools.partial(_say_capped, ceiling=job["max_new_tokens"]))
+                                functools.partial(_say_capped, ceiling=job["max_new_tokens"]), warm=warm)
         except (scale.ScaleError, ValueError) as exc:
             fail(escape(str(exc)))
         if not outcome.interrupted:

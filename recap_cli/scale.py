@@ -85,10 +85,12 @@ class Outcome:
 
 def run(source: IO[bytes], job: Job, cluster: Cluster, sink: IO[bytes], output: Path | None, resume: bool,
         memory: Path | None, progress=None, unknown: Callable[[int, list[str]], None] | None = None,
-        capped: Callable[[int], None] | None = None) -> Outcome:
+        capped: Callable[[int], None] | None = None, warm: bool = True) -> Outcome:
     """Answer every line of ``source`` on the cluster and write the records to ``sink`` in input order;
     ``unknown(line, keys)`` hears of each line's keys recap does not read (the workers parse the lines), and
-    ``capped(line)`` of the first line whose own max_new_tokens the run's cap cut."""
+    ``capped(line)`` of the first line whose own max_new_tokens the run's cap cut. Without ``warm`` the workers
+    start cold and the merged memory owes nothing to ``memory``'s file (a damaged one the user chose to replace):
+    seeded from it, every worker failed to load it, and the merge would read it again."""
     lines = list(records.numbered_lines(source))
     cap = capped is not None and not job.allow_longer  # said of the first capped line only
     for n, raw in lines if unknown is not None or cap else ():
@@ -106,7 +108,7 @@ def run(source: IO[bytes], job: Job, cluster: Cluster, sink: IO[bytes], output: 
     started = _connect(cluster.address)
     collector = None
     try:
-        seed = memory.read_bytes() if memory is not None and memory.is_file() else None
+        seed = memory.read_bytes() if warm and memory is not None and memory.is_file() else None
         collector = ray.remote(Memories).options(num_cpus=0).remote(seed, job.fault_after)
         outcome = _answer_all(lines, job, cluster, collector, sink, progress)
         outcome.restarts = ray.get(collector.restarts.remote())

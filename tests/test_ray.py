@@ -113,6 +113,18 @@ def test_a_model_no_worker_can_load_is_a_usage_error(ray_local, inputs, tmp_path
     assert "unknown model" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_memory_cold_on_error_starts_the_workers_cold_and_replaces_a_damaged_file(ray_local, inputs, local,
+                                                                                  tmp_path):
+    """The driver said "starting cold" and then seeded every worker from the damaged file, which none could load:
+    the run ended as a usage error."""
+    memory = tmp_path / "memory.pt"
+    memory.write_bytes(b"not a memory file")
+    result = ray_run(inputs, "--memory", memory, "--memory-cold-on-error")
+    assert result.exit_code == 1, result.stderr  # the bad lines' records, nothing else
+    assert same(lines(result.stdout)) == same(local)
+    assert torch.load(memory, weights_only=True)["format"] == "recap-memory"
+
+
 def state(rows: dict[int, tuple[list[int], list[float]]], hits: float = 0.0, vocab: int = 6, k: int = 2) -> dict:
     """A memory file's content: an order-1 table with ``rows`` and learned chances (``hits`` of 10 tries)."""
     ids, probs = torch.full((vocab, k), -1, dtype=torch.int32), torch.zeros(vocab, k)
