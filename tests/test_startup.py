@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,16 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, at):
     assert done.returncode == 130, done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "interrupted" in done.stderr and done.stdout == ""
+
+
+def test_a_second_ctrl_c_while_the_process_exits_prints_no_traceback(tmp_path):
+    """Ctrl-C pressed twice: the second lands in the interpreter's exit hooks (torch's take a moment)."""
+    (tmp_path / "r.jsonl").write_text('{"id": 1, "image": null, "prompt": "Hello?"}\n')
+    again = "import atexit\natexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\n"
+    code = INTERRUPTED.replace("sys.argv = ", again + "sys.argv = ")
+    done = recap(["run", "r.jsonl", "--max-new-tokens", 2], tmp_path, code=code, INTERRUPT_AT="torch")
+    assert done.returncode in (130, -signal.SIGINT), done.stderr  # -SIGINT: a shell reports it as 130
+    assert "Traceback" not in done.stderr and done.stderr.strip() == "interrupted", done.stderr
 
 
 # --- no import cycles -------------------------------------------------------------------------------------------
