@@ -143,7 +143,10 @@ class PrefixCache:
                 return False
             if n == entry.length:  # a prefix of the new one
                 superseded.append(key)
-        layers = take()
+        try:
+            layers = take()
+        except torch.OutOfMemoryError:  # no room on the device to copy the rows: reuse is a saving, never worth
+            return False  # the turn that just ended (batch 1) or the whole run (a batch leaves its rows here)
         if layers is None:
             return False
         rows = rows_before(rows, ids.numel())

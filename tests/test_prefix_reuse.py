@@ -100,6 +100,24 @@ def test_every_method_with_and_without_reuse_equals_generate(get_adapter, arch, 
                 assert reused["r2"] == 0  # differs before its image: nothing it could reuse
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_no_room_to_keep_a_prefix_costs_only_the_reuse(get_adapter, tmp_path, monkeypatch, batch):
+    """Copying a finished turn's rows out of the cache can run a GPU out of memory: that offer is dropped, the
+    record stays answered (batch 1) and the run goes on (a batch, where it ended the run with a traceback)."""
+    adapter = get_adapter("text")
+    reqs = stream("text", tmp_path)
+    want = reference(adapter, "text", reqs)
+
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+
+    monkeypatch.setattr(compat, "row_layers", no_room)
+    session = Session(adapter, "recap", batch=batch, prefix_cache=64)
+    out = run(session, reqs)
+    assert [r["error"] for r, _ in out] == [None] * len(reqs)
+    assert [tokens for _, tokens in out] == want and len(session.prefixes) == 0
+
+
 @pytest.mark.parametrize("arch", ["qwen", "llava", "text", "gemma3"])
 def test_static_engines_reuse_exactly(get_adapter, arch, tmp_path):
     """The static-cache engine at batch 1 (a cache that must grow, too) and the static-shape batched engine."""
