@@ -15,8 +15,7 @@ from dataclasses import asdict, dataclass
 from .adapters import Adapter
 from .batch import answer_all, answer_with_tokens
 from .decoding.sampling import GREEDY, Settings
-from .options import (EVERY_DATASET, HF_METHODS, check_batch,  # noqa: F401 (parse_method: the benchmarks read it here)
-                      parse_method)
+from .options import EVERY_DATASET, HF_METHODS, check_batch, parse_method  # parse_method: benchmarks read it here
 from .records import Request
 from .session import GenerateSession, Session
 

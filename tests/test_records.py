@@ -43,7 +43,6 @@ def test_a_url_or_a_folder_as_the_image_says_so(tmp_path):
         load_image(tmp_path)
 
 
-
 @pytest.mark.parametrize("mode, suffix, opened", [("I;16", "png", "I;16"), ("I;16B", "tif", "I;16B"),
                                                   ("I;16", "pgm", "I")])
 def test_a_16_bit_grayscale_image_is_scaled_not_clipped_to_white(tmp_path, mode, suffix, opened):
