@@ -77,8 +77,14 @@ def glance(raw: bytes) -> tuple[list[str], int | None]:
     return _unknown(rec), asked if isinstance(asked, int) and not isinstance(asked, bool) else None
 
 
+# Keys a record's shape leaves unread: 'messages' holds the whole conversation, 'question' the one question (of
+# which 'prompt' is the other name). A record that gives both was answered from one without a word of the other.
+SHADOWED_BY = {"question": ("messages",), "prompt": ("messages", "question")}
+
+
 def _unknown(rec: dict) -> list[str]:
-    return [key for key in rec if key not in KEYS]
+    """The keys recap leaves unread in ``rec``: those it never reads, and a question beside what takes its place."""
+    return [key for key in rec if key not in KEYS or any(other in rec for other in SHADOWED_BY.get(key, ()))]
 
 
 def parse_line(raw: bytes, line: int, base: Path) -> Request:
@@ -166,7 +172,10 @@ def _conversation(messages: Any) -> tuple[list[Message], list[str]]:
 
 
 def unknown_key(key: str) -> str:
-    """What to tell a user about a key recap ignores: a near miss names the key it likely meant."""
+    """What to tell a user about a key recap ignores: a near miss names the key it likely meant, a key the record's
+    shape left unread what took its place."""
+    if key in SHADOWED_BY:
+        return f"key '{key}' is read only without " + " and ".join(f"'{k}'" for k in SHADOWED_BY[key]) + ": ignored"
     near = difflib.get_close_matches(key.lower(), KEYS, n=1, cutoff=0.7)
     hint = f" (did you mean '{near[0]}'?)" if near else ""
     return f"key '{key}' is not one recap reads: ignored{hint}"

@@ -37,6 +37,17 @@ def test_keys_recap_does_not_read_are_named_with_the_key_likely_meant():
     assert parse({"id": "k", "prompt": "Hi", "seed": 3, "dataset": "d"}).unknown == []
 
 
+def test_a_question_beside_what_takes_its_place_is_named_as_ignored():
+    """'messages' holds the conversation and 'question' the question: a 'prompt' or 'question' beside them was
+    answered without, and without a word."""
+    turns = [{"role": "user", "content": "Hi"}]
+    assert parse({"id": 1, "messages": turns, "prompt": "Bye", "question": "Why?"}).unknown == ["prompt", "question"]
+    assert parse({"id": 2, "question": "Why?", "prompt": "Bye"}).unknown == ["prompt"]
+    assert parse({"id": 3, "question": "Why?", "messages": turns}).turns == ["Hi"]
+    assert unknown_key("prompt") == "key 'prompt' is read only without 'messages' and 'question': ignored"
+    assert unknown_key("question") == "key 'question' is read only without 'messages': ignored"
+
+
 def test_a_url_or_a_folder_as_the_image_says_so(tmp_path):
     assert "is a URL" in parse({"id": "u", "image": "https://example.com/cat.jpg"}).error
     with pytest.raises(ValueError, match="is a folder"):
