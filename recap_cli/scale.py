@@ -293,7 +293,7 @@ class Worker:
         """One record, whatever goes wrong: a worker never raises for a request."""
         req = records.Request(line, line)
         try:
-            req = self._parse(line, raw)
+            req = parse_capped(raw, line, self.job)
             record = answer(self.session, req, self.job.model, self.job.max_new_tokens)
         except Exception as exc:  # noqa: BLE001 - an unexpected failure fails its record, not the worker
             record = error_record(req, self.job.method, self.job.model, f"{type(exc).__name__}: "
@@ -307,7 +307,7 @@ class Worker:
         reqs = []
         for line, raw in lines:
             try:
-                reqs.append(self._parse(line, raw))
+                reqs.append(parse_capped(raw, line, self.job))
             except Exception as exc:  # noqa: BLE001 - see _answer
                 reqs.append(records.Request(line, line, error=f"{type(exc).__name__}: {records.first_line(exc)}"))
         out = []
@@ -316,10 +316,6 @@ class Worker:
             self.done += 1
             self._maybe_fault()
         return out
-
-    def _parse(self, line: int, raw: bytes) -> records.Request:
-        """One line's request, its own max_new_tokens held to the run's as a local run holds it."""
-        return parse_capped(raw, line, self.job)
 
     def _maybe_fault(self) -> None:
         if self.job.fault_after and self.done >= self.job.fault_after and \
