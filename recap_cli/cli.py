@@ -303,7 +303,17 @@ class _OutputFailed(Exception):
 
     def __init__(self, exc: OSError):
         super().__init__(exc)
-        self.reason = exc.strerror or str(exc)
+        self.reason = _reason(exc)
+
+
+def _reason(exc: OSError) -> str:
+    """Why a write failed, as the system says it ("No space left on device"), without the errno around it."""
+    return exc.strerror or str(exc)
+
+
+def _cannot_write(flag: str, path: Path, exc: OSError) -> str:
+    """The sentence for a file the run was asked to write and could not (markup-safe: a path may hold brackets)."""
+    return f"{flag} {escape(str(path))}: cannot write it ({escape(_reason(exc))})"
 
 
 def _write_or_raise(sink: IO[bytes], record: dict) -> None:
@@ -530,8 +540,8 @@ def compare(
             report.plot(summary, report_dir / "speedups.png")
             info(f"report written to {report_dir}")
         except OSError as exc:  # what the checks before the model could not foresee (a full disk, /proc)
-            fail(f"--report {escape(str(report_dir))}: cannot write it ({escape(exc.strerror or str(exc))}); "
-                 "the rows on stdout" + (" and --json" if json_out is not None else "") + " have the results")
+            fail(_cannot_write("--report", report_dir, exc) + "; the rows on stdout"
+                 + (" and --json" if json_out is not None else "") + " have the results")
     # Sampled tokens of hf come from torch's generator, not recap's draws: their mismatches are shown, not failures.
     mismatched = bool(comparison.unexpected(rows))
     failed, uneven = comparison.failures(rows)
@@ -699,7 +709,7 @@ def _sink(output: Path | None, resume: bool):
     try:
         return _closing_quietly(open(output, "ab" if resume else "wb"))
     except OSError as exc:
-        fail(f"-o {output}: cannot write it ({exc.strerror or exc})")
+        fail(_cannot_write("-o", output, exc))
 
 
 @contextmanager
@@ -780,8 +790,7 @@ def _report(totals: Totals, summary: Path | None, stop: int | None, extra: dict 
         try:
             summary.write_bytes(orjson.dumps({**s, "interrupted": interrupted}, option=orjson.OPT_INDENT_2))
         except OSError as exc:  # a full disk, a special file system: one sentence, not a traceback after the run
-            err.print(f"[bold red]error:[/] --summary {escape(str(summary))}: cannot write it "
-                      f"({escape(exc.strerror or str(exc))})", highlight=False)
+            err.print(f"[bold red]error:[/] {_cannot_write('--summary', summary, exc)}", highlight=False)
             return False
     return True
 
