@@ -371,10 +371,10 @@ def _check_loading(device: str, dtype: str, attn: str) -> None:
 
 def _warn_unknown(line: int, keys: list[str], warned: set[str]) -> None:
     """Each key a record has and recap ignores, once a run: `"images": [...]` or `"Question"` must not pass as a
-    caption or a text-only answer without a word."""
+    caption or a text-only answer without a word; a message's key once whatever message it is in."""
     for key in keys:
-        if key not in warned:
-            warned.add(key)
+        if (kind := records.unknown_kind(key)) not in warned:
+            warned.add(kind)
             err.print(f"[yellow]warning:[/] line {line}: {escape(records.unknown_key(key))}", highlight=False)
 
 

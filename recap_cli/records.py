@@ -9,6 +9,7 @@ from __future__ import annotations
 import codecs
 import difflib
 import os
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ if TYPE_CHECKING:  # a type only: importing adapters would load torch, which `re
 CAPTION_PROMPT = "Describe this image in detail."
 SETTINGS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed")  # a record's own decoding settings
 KEYS = ("id", "image", "question", "prompt", "messages", "max_new_tokens", "dataset") + SETTINGS
+MESSAGE_KEYS = ("role", "content")  # what a message of 'messages' gives recap; its other keys are left unread
 MAX_IMAGE_PIXELS = 40_000_000
 
 
@@ -83,8 +85,24 @@ SHADOWED_BY = {"question": ("messages",), "prompt": ("messages", "question")}
 
 
 def _unknown(rec: dict) -> list[str]:
-    """The keys recap leaves unread in ``rec``: those it never reads, and a question beside what takes its place."""
-    return [key for key in rec if key not in KEYS or any(other in rec for other in SHADOWED_BY.get(key, ()))]
+    """The keys recap leaves unread in ``rec``: those it never reads, a question beside what takes its place, and
+    a message's own (``"name"``, a ``"contents"`` typo), as ``messages[i].key``."""
+    keys = [key for key in rec if key not in KEYS or any(other in rec for other in SHADOWED_BY.get(key, ()))]
+    messages = rec.get("messages")
+    if isinstance(messages, list):
+        keys += [f"messages[{i}].{key}" for i, m in enumerate(messages) if isinstance(m, dict)
+                 for key in m if key not in MESSAGE_KEYS]
+    return keys
+
+
+_IN_MESSAGE = re.compile(r"messages\[(\d+)\]\.(.*)", re.DOTALL)
+
+
+def unknown_kind(key: str) -> str:
+    """What a run warns of once: a record's key, or a message's key whatever message it is in (``messages[].name``
+    for ``messages[3].name``)."""
+    inside = _IN_MESSAGE.fullmatch(key)
+    return f"messages[].{inside[2]}" if inside else key
 
 
 def parse_line(raw: bytes, line: int, base: Path) -> Request:
@@ -173,7 +191,12 @@ def _conversation(messages: Any) -> tuple[list[Message], list[str]]:
 
 def unknown_key(key: str) -> str:
     """What to tell a user about a key recap ignores: a near miss names the key it likely meant, a key the record's
-    shape left unread what took its place."""
+    shape left unread what took its place; a message's key (``messages[i].key``) is named with its message."""
+    if inside := _IN_MESSAGE.fullmatch(key):
+        index, key = inside.groups()
+        near = difflib.get_close_matches(key.lower(), MESSAGE_KEYS, n=1, cutoff=0.7)
+        hint = f" (did you mean '{near[0]}'?)" if near else ""
+        return f"key '{key}' in messages[{index}] is not one recap reads: ignored{hint}"
     if key in SHADOWED_BY:
         return f"key '{key}' is read only without " + " and ".join(f"'{k}'" for k in SHADOWED_BY[key]) + ": ignored"
     near = difflib.get_close_matches(key.lower(), KEYS, n=1, cutoff=0.7)

@@ -256,6 +256,20 @@ def test_a_pipe_is_an_input_and_unknown_keys_are_warned_of_once(model_dirs, work
     assert warned.count("key 'Prompt' is not one recap reads") == 1 and "did you mean 'prompt'?" in warned
 
 
+def test_a_messages_unknown_keys_are_warned_of_once_naming_the_message(model_dirs, workdir):
+    def said(index):
+        return {"role": "user", "content": f"Say {index}", "name": "ann"}
+
+    records = jsonl({"id": 1, "messages": [said(1)]}, {"id": 2, "messages": [said(2), {"role": "assistant",
+                                                                                          "content": "2"}, said(3)]})
+    r = invoke(["run", "-", "--model", model_dirs["text"], "--max-new-tokens", 3], input=records)
+    assert r.exit_code == 0, r.stderr
+    assert [x["error"] for x in lines(r.stdout)] == [None, None]
+    warned = " ".join(r.stderr.split())
+    assert "warning: line 1: key 'name' in messages[0] is not one recap reads: ignored" in warned
+    assert warned.count("key 'name' in messages[") == 1  # once a run, as a record's own keys
+
+
 def test_image_goes_to_the_first_user_turn_and_later_turns_see_answers(get_adapter, workdir):
     from recap_cli.batch import answer
     from recap_cli.records import Request

@@ -8,7 +8,7 @@ import orjson
 import pytest
 from PIL import Image
 
-from recap_cli.records import load_image, parse_line, unknown_key
+from recap_cli.records import glance, load_image, parse_line, unknown_key
 
 
 def parse(rec: dict):
@@ -46,6 +46,22 @@ def test_a_question_beside_what_takes_its_place_is_named_as_ignored():
     assert parse({"id": 3, "question": "Why?", "messages": turns}).turns == ["Hi"]
     assert unknown_key("prompt") == "key 'prompt' is read only without 'messages' and 'question': ignored"
     assert unknown_key("question") == "key 'question' is read only without 'messages': ignored"
+
+
+def test_a_messages_own_keys_recap_does_not_read_are_named_with_its_index():
+    """A message gives recap its role and content: a "name", or a "contents" typo, was dropped without a word."""
+    turns = [{"role": "system", "content": "Be brief.", "name": "sys"},
+             {"role": "user", "content": "Hi", "name": "ann", "contents": "Hello"}]
+    req = parse({"id": 1, "messages": turns, "label": 2})
+    assert req.error is None and req.turns == ["Hi"]  # answered all the same
+    assert req.unknown == ["label", "messages[0].name", "messages[1].name", "messages[1].contents"]
+    assert unknown_key("messages[1].name") == "key 'name' in messages[1] is not one recap reads: ignored"
+    assert unknown_key("messages[1].contents").endswith("in messages[1] is not one recap reads: ignored "
+                                                        "(did you mean 'content'?)")
+    typo = parse({"id": 2, "messages": [{"role": "user", "contents": "Hi"}]})
+    assert "non-empty string 'content'" in typo.error and typo.unknown == ["messages[0].contents"]
+    assert glance(orjson.dumps({"messages": turns})) == (["messages[0].name", "messages[1].name",
+                                                          "messages[1].contents"], None)  # --ray's driver too
 
 
 def test_a_url_or_a_folder_as_the_image_says_so(tmp_path):
