@@ -104,26 +104,32 @@ def parse_knob(key: str, value: str) -> Any:
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
-    """``recap:mixing=fixed:orders=1:suffix=off:budget=16`` -> ("recap", knobs); plain names have no knobs."""
+    """``recap:mixing=fixed:orders=1:suffix=off:budget=16`` -> ("recap", knobs); plain names have no knobs. A
+    ValueError names the spec it came from (``tr:budget=x: ...``): `recap compare --methods` takes several."""
+    try:
+        return _parse_method(spec)
+    except ValueError as exc:
+        raise ValueError(f"{spec}: {exc}") from None
+
+
+def _parse_method(spec: str) -> tuple[str, dict]:
     name, *parts = spec.split(":")
     if name not in METHODS + HF_METHODS:
-        raise ValueError(f"unknown method '{name}': use {', '.join(METHODS + HF_METHODS)}")
+        named = f" '{name}'" if parts else ""  # a plain name is the spec the message starts with
+        raise ValueError(f"unknown method{named}: use {', '.join(METHODS + HF_METHODS)}")
     knobs = {}
     for part in parts:
         key, _, value = part.partition("=")
         if key not in KNOBS:
-            raise ValueError(f"'{part}' in '{spec}': variants take {', '.join(KNOBS)} as key=value")
+            raise ValueError(f"'{part}': variants take {', '.join(KNOBS)} as key=value")
         if key in knobs:
-            raise ValueError(f"'{spec}' sets {key} twice")
-        try:
-            knobs[key] = parse_knob(key, value)
-        except ValueError as exc:
-            raise ValueError(f"'{part}' in '{spec}': {exc}") from None
+            raise ValueError(f"sets {key} twice")
+        knobs[key] = parse_knob(key, value)
     reuse = {"prefix_cache": knobs.pop("prefix")} if "prefix" in knobs else {}  # the session's, not a drafter's
     if reuse and name in HF_METHODS:
-        raise ValueError(f"'{spec}': generate() keeps no prefix cache")
+        raise ValueError("generate() keeps no prefix cache")
     if knobs and name != "recap" and (set(knobs) != {"budget"} or name not in ("tr", "pld")):
-        raise ValueError(f"'{spec}': only recap has variants (tr and pld take budget; suffix runs as vLLM does)")
+        raise ValueError("only recap has variants (tr and pld take budget; suffix runs as vLLM does)")
     if "budget" in knobs:
         knobs["budget"] = parse_budget(name, knobs["budget"])
     return name, knobs | reuse

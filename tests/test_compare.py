@@ -81,6 +81,17 @@ def test_method_specs():
                       ("recap:budget=16:budget=8", "sets budget twice")):
         with pytest.raises(ValueError, match=said):
             parse_method(bad)
+    # Every error starts with the spec it came from, once: --methods takes several.
+    for bad, said in (("recap:budget=-3", "recap:budget=-3: budget takes auto or a number of draft nodes"),
+                      ("tr:budget=abc", "tr:budget=abc: tr drafts its fixed 80-node template"),
+                      ("pld:budget=x", "pld:budget=x: budget takes auto or"),
+                      ("recap:top_k=0", "recap:top_k=0: top_k takes"), ("warp", "warp: unknown method: use ar"),
+                      ("warp:budget=3", "warp:budget=3: unknown method 'warp'"),
+                      ("recap:speed=9", "recap:speed=9: 'speed=9': variants take"),
+                      ("hf:prefix=1", "hf:prefix=1: generate() keeps no prefix cache")):
+        with pytest.raises(ValueError) as caught:
+            parse_method(bad)
+        assert str(caught.value).startswith(said) and str(caught.value).count(bad) == 1, (bad, caught.value)
 
 
 class FakeAdapter:
@@ -361,6 +372,8 @@ def test_compare_usage_errors_come_before_the_model(tmp_path):
     assert r.exit_code == 2 and "a dataset is named 'all'" in " ".join(r.stderr.split()), r.stderr
     r = CliRunner().invoke(cli.app, base + ["--methods", "recap:top_k=0"])
     assert r.exit_code == 2 and "top_k takes" in r.stderr and "Traceback" not in r.stderr
+    r = CliRunner().invoke(cli.app, base + ["--methods", "recap,tr:budget=x"])
+    assert r.exit_code == 2 and "error: tr:budget=x: tr drafts" in " ".join(r.stderr.split()), r.stderr
     r = CliRunner().invoke(cli.app, base + ["--methods", "recap:orders=1,2"])
     assert r.exit_code == 2 and "as digits (recap:orders=12)" in " ".join(r.stderr.split()), r.stderr
     r = CliRunner().invoke(cli.app, base + ["--methods", "recap,hf", "--batch", "3"])
