@@ -495,6 +495,7 @@ def compare(
                     for label in labels}
     except ValueError as exc:
         fail(str(exc))
+    checked = comparison.reference(labels, baseline)  # what tokens are checked against: the run's and the reports'
     rows: list[Measurement] = []  # every input measured so far: what an interrupted comparison still reports
     stop = None
     with safety.terminate_as_interrupt(), _progress(len(requests)) as progress:
@@ -508,7 +509,8 @@ def compare(
             progress.advance(task)
 
         try:
-            comparison.run(sessions, requests, baseline, model, max_new_tokens, warmup, keep_memory, emit, repeats)
+            comparison.run(sessions, requests, baseline, model, max_new_tokens, warmup, keep_memory, emit, repeats,
+                           checked)
         except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the inputs measured so far are still reported
             stop = EXIT_TERMINATED if isinstance(exc, safety.Terminated) else EXIT_INTERRUPTED
         except BrokenPipeError:  # the reader of stdout went away (`| head`): as `recap run`, 141, not click's 1
@@ -521,7 +523,6 @@ def compare(
         if not rows:
             raise typer.Exit(stop)
     summary = comparison.summarize(rows, baseline)
-    checked = comparison.reference(labels, baseline)
     report.table(summary, baseline, err, checked)
     timed = f", fastest of {repeats} runs per input" if repeats > 1 else ""
     header = (f"model `{model}`, {measured} inputs" + (f" of {len(requests)} (interrupted)" if stop else "") +

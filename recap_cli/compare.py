@@ -75,13 +75,17 @@ def group(requests: Iterable[Request]) -> dict[str, list[Request]]:
 
 def run(sessions: dict, requests: list[Request], baseline: str, model: str, max_new_tokens: int,
         warmup: int = 1, keep_memory: bool = False,
-        on_input: Callable[[list[Measurement]], None] | None = None, repeats: int = 1) -> list[Measurement]:
+        on_input: Callable[[list[Measurement]], None] | None = None, repeats: int = 1,
+        checked: str | None = None) -> list[Measurement]:
     """Measure every session on every request; memories are cleared before each dataset unless kept.
-    ``repeats``: at batch 1, each input's runs per method, of which the fastest is kept (``_fastest``)."""
+    ``repeats``: at batch 1, each input's runs per method, of which the fastest is kept (``_fastest``).
+    ``checked``: the method every method's tokens are checked against, where the caller has it already (its
+    reports name it); else ``reference``'s."""
     labels = list(sessions)
     if baseline not in sessions:
         raise ValueError(f"the baseline '{baseline}' must be among the methods")
-    checked = reference(labels, baseline)
+    if checked is None:
+        checked = reference(labels, baseline)
     if repeats < 1:
         raise ValueError("repeats is at least 1")
     if repeats > 1 and getattr(sessions[baseline], "batch", 1) > 1:

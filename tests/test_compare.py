@@ -426,6 +426,23 @@ def test_with_hf_as_baseline_recaps_methods_are_checked_against_each_other():
     assert summary["hf"]["mean_speedup"] == 1.0 and summary["ar"]["mean_speedup"] == pytest.approx(0.5)
 
 
+def test_the_method_tokens_are_checked_against_is_found_once_and_passed_on(model_dirs, tmp_path, monkeypatch):
+    """The comparison and its reports check against one method, found once (``run`` takes it from the CLI)."""
+    real, calls = comparison.reference, []
+    monkeypatch.setattr(comparison, "reference", lambda *args: calls.append(args) or real(*args))
+    (tmp_path / "s.jsonl").write_bytes(b'{"id": 1, "prompt": "Tell me about the sea."}\n')
+    r = CliRunner().invoke(cli.app, ["compare", str(tmp_path / "s.jsonl"), "--model", str(model_dirs["text"]),
+                                     "--baseline", "hf", "--methods", "ar,recap", "--max-new-tokens", "4",
+                                     "--warmup", "0", "--json", str(tmp_path / "c.json")])
+    assert r.exit_code == 0, r.stderr
+    assert calls == [(["hf", "ar", "recap"], "hf")]
+    assert orjson.loads((tmp_path / "c.json").read_bytes())["checked_against"] == "ar"
+    sessions = {"hf": FakeSession("hf", [], 1.0), "ar": FakeSession("ar", [], 2.0, wrong_on={"q0"}),
+                "recap": FakeSession("recap", [], 1.0)}
+    rows = run(sessions, requests(("A", "q0")), "hf", "fake", 8, warmup=0, checked="recap")
+    assert {r.method for r in rows if not r.match} == {"ar"}  # checked against recap, as given
+
+
 def test_only_hfs_mismatches_on_sampled_inputs_are_expected():
     rows = [Measurement(id="a", dataset="d", method="hf", match=False, sampled=True),
             Measurement(id="b", dataset="d", method="hf", match=False),  # greedy: hf must match
