@@ -35,6 +35,7 @@ class Measurement:
     decode_s: float = 0.0
     wall_s: float = 0.0  # its share of the wall time its method took over the dataset (batched: wall / inputs)
     match: bool | None = None  # tokens equal the reference method's (the baseline's unless that is hf: reference)
+    first_difference: dict | None = None  # where a mismatch starts: first_difference's turn, position and tokens
     error: str | None = None
     prompt_tokens: int = 0
     prefix_hit: int = 0  # prompt tokens taken from the prefix cache
@@ -196,10 +197,25 @@ def _matched(measured: dict[str, tuple[Measurement, list[list[int]]]], checked: 
     for m, tokens in measured.values():
         if m.error is None and base.error is None:
             m.match = tokens == base_tokens
+            m.first_difference = None if m.match else first_difference(tokens, base_tokens)
         batch.append(m)
     if on_input:
         on_input(batch)
     return batch
+
+
+def first_difference(tokens: list[list[int]], expected: list[list[int]]) -> dict | None:
+    """Where ``tokens`` (an input's answers, a list of token ids per turn) first differ from ``expected``: the
+    turn (an index into the record's answers), the position in it (from 0) and the token each has there (None
+    where one has ended); None where they are equal. Where an exact-decoding bug starts."""
+    for turn in range(max(len(tokens), len(expected))):
+        got = tokens[turn] if turn < len(tokens) else []
+        want = expected[turn] if turn < len(expected) else []
+        if got != want:
+            position = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            return {"turn": turn, "position": position, "token": got[position] if position < len(got) else None,
+                    "expected": want[position] if position < len(want) else None}
+    return None
 
 
 def _measured(record: dict, tokens: list[list[int]], req: Request, dataset: str, label: str,
@@ -264,6 +280,8 @@ def _stats(rows: list[Measurement], base: dict[int | str, Measurement]) -> dict:
         "draft_share": sum(r.draft_s for r in ok) / decode if decode else 0.0,
         "match_rate": sum(r.match for r in checked) / len(checked) if checked else math.nan,
         "mismatches": [r.id for r in checked if not r.match],
+        # each mismatch's id and where it starts (first_difference), in the order of "mismatches"
+        "first_differences": [{"id": r.id, **(r.first_difference or {})} for r in checked if not r.match],
         "prefix_reuse": sum(r.prefix_hit for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
         "speedups": speedups,
     }

@@ -8,6 +8,7 @@ from typing import IO
 
 from PIL import Image, ImageDraw, ImageFont
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 COLUMNS = [("mean×", "mean_speedup"), ("total×", "total_speedup"), ("wall×", "wall_speedup"), ("p10", "p10"), ("p50", "p50"),
@@ -53,8 +54,28 @@ def table(summary: dict, baseline: str, console: Console, checked: str | None = 
             console.print(note, highlight=False, markup=False)
         for method, s in methods.items():
             if s["mismatches"]:
-                console.print(f"[yellow]{method}: tokens differ from {checked or baseline} on "
-                              f"{len(s['mismatches'])} input(s): {', '.join(s['mismatches'][:20])}[/]")
+                console.print(f"[yellow]{escape(method)}: tokens differ from {escape(checked or baseline)} on "
+                              f"{len(s['mismatches'])} input(s): {escape(differences(s, checked or baseline))}[/]")
+
+
+SHOWN_DIFFERENCES = 5  # mismatches a terminal table names (the rest are counted; --json has them all)
+
+
+def differences(stats: dict, checked: str, shown: int | None = SHOWN_DIFFERENCES) -> str:
+    """A method's mismatching inputs, each with where its tokens first differ from those of ``checked`` (the
+    position from 0, in a later turn with the turn: answers[1]) and the two tokens there ("end" where one had
+    ended): ``r3 at token 2 (9, ar: 3)``; past ``shown`` of them, how many more."""
+    found = stats.get("first_differences") or [{"id": i} for i in stats["mismatches"]]
+    said = []
+    for d in found[:shown]:
+        if "position" not in d:  # a row without its tokens to compare (built by hand)
+            said.append(str(d["id"]))
+            continue
+        where = f" answers[{d['turn']}]" if d["turn"] else ""
+        token, expected = ("end" if t is None else t for t in (d["token"], d["expected"]))
+        said.append(f"{d['id']} at{where} token {d['position']} ({token}, {checked}: {expected})")
+    more = len(found) - len(said)
+    return ", ".join(said) + (f", and {more} more" if more else "")
 
 
 def blank_notes(methods: dict) -> list[str]:
@@ -81,13 +102,14 @@ def markdown(summary: dict, baseline: str, header: str = "", checked: str | None
                   "| --- |" + " ---: |" * len(COLUMNS)]
         for method, s in methods.items():
             lines.append(f"| {method} | " + " | ".join(_fmt(k, s.get(k)) for _, k in COLUMNS) + " |")
-        bad = {m: s["mismatches"] for m, s in methods.items() if s["mismatches"]}
+        bad = {m: s for m, s in methods.items() if s["mismatches"]}
         failed = {m: s for m, s in methods.items() if s["errors"]}
         lines.append("")
         if notes := blank_notes(methods):
             lines += [f"- {note}" for note in notes] + [""]
-        for method, ids in bad.items():
-            lines.append(f"- `{method}` differs from `{checked or baseline}` on: {', '.join(ids)}")
+        for method, s in bad.items():
+            lines.append(f"- `{method}` differs from `{checked or baseline}` on: "
+                         + differences(s, checked or baseline, shown=None))
         for method, s in failed.items():
             lines.append(f"- `{method}` failed on {s['errors']} of {s['inputs']} inputs (left out of the statistics)")
         if bad or failed:

@@ -40,6 +40,15 @@ def test_statistics_from_known_timings():
     assert summarize(rows, "ar")["d"]["ar"]["mean_speedup"] == 1.0
 
 
+def test_first_difference_names_the_turn_position_and_both_tokens():
+    first = comparison.first_difference
+    assert first([[1, 2, 3]], [[1, 2, 3]]) is None
+    assert first([[1, 5, 3]], [[1, 2, 3]]) == {"turn": 0, "position": 1, "token": 5, "expected": 2}
+    assert first([[1, 2]], [[1, 2, 3]]) == {"turn": 0, "position": 2, "token": None, "expected": 3}  # ended early
+    assert first([[7], [4, 4, 8]], [[7], [4, 4]]) == {"turn": 1, "position": 2, "token": 8, "expected": None}
+    assert first([[7]], [[7], [1]]) == {"turn": 1, "position": 0, "token": None, "expected": 1}
+
+
 def test_quantile_interpolates_like_numpy():
     assert quantile([1, 2, 3, 4], 0.5) == 2.5
     assert quantile([3, 1, 2], 0.1) == pytest.approx(1.2)
@@ -144,6 +153,9 @@ def test_run_rotates_order_checks_tokens_and_resets_memory_per_dataset():
     assert summary["all"]["fast"]["mean_speedup"] == pytest.approx(2.0)
     assert summary["all"]["slow"]["total_speedup"] == pytest.approx(0.5)
     assert summary["B"]["fast"]["mismatches"] == ["r3"] and summary["A"]["fast"]["match_rate"] == 1.0
+    where = {"turn": 0, "position": 2, "token": 9, "expected": 3}  # [1, 2, 9, 4] where ar gave [1, 2, 3, 4]
+    assert summary["B"]["fast"]["first_differences"] == [{"id": "r3", **where}]
+    assert [r.first_difference for r in rows if r.method == "fast"] == [None, None, None, where]
     assert summary["all"]["fast"]["mean_accepted"] == 3.0 and summary["all"]["ar"]["mean_accepted"] == 1.0
     kept = {"ar": FakeSession("ar", [], 2.0)}
     run(kept, reqs, "ar", "fake", 8, warmup=0, keep_memory=True)

@@ -51,3 +51,17 @@ def test_every_dash_in_a_table_is_explained():
     clean = io.StringIO()
     report.table({"d": {"ar": stats([1.0]), "recap": stats([1.2])}}, "ar", report.console(clean))
     assert "no figure" not in clean.getvalue()  # no dash, no note
+
+
+def test_mismatches_say_where_the_tokens_first_differ_and_the_table_names_a_few():
+    found = [{"id": f"q{i}", "turn": 0, "position": i, "token": 9, "expected": i} for i in range(7)]
+    found[1] |= {"turn": 1, "token": None}
+    wrong = stats([1.0, 1.0]) | {"mismatches": [d["id"] for d in found], "first_differences": found}
+    out = io.StringIO()
+    report.table({"d": {"ar": stats([1.0, 1.0]), "recap": wrong}}, "ar", report.console(out))
+    line = next(x for x in out.getvalue().splitlines() if x.startswith("recap: tokens differ"))
+    assert line == ("recap: tokens differ from ar on 7 input(s): q0 at token 0 (9, ar: 0), q1 at answers[1] token 1 "
+                    "(end, ar: 1), q2 at token 2 (9, ar: 2), q3 at token 3 (9, ar: 3), q4 at token 4 (9, ar: 4), "
+                    "and 2 more")
+    md = report.markdown({"d": {"recap": wrong}}, "ar")
+    assert "q6 at token 6 (9, ar: 6)" in md and "more" not in md  # the report file names them all
