@@ -32,7 +32,11 @@ if TYPE_CHECKING:
     from .decoding.sampling import Settings
     from .session import Session
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# Help is click's plain layout (rich_markup_mode=None): typer's rich panels give the option names four columns of
+# their own beside the type and the help, and at 80 columns rich cut them short ("--memory-cold-on-e…"), which no
+# setting of typer's widens; click's puts a name too long for its column on a line of its own, never cut. (Each
+# command's short_help is given: click cuts the one it makes from the docstring to the width, "in order...".)
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Lossless speculative decoding for image captioning and VQA with vision-language models.")
 err: Console = report.console()  # a terminal's width, else whole lines (a log is not cut at 80 columns)
 _quiet = False  # --quiet: no progress and no info lines on stderr; warnings and errors still print
@@ -86,7 +90,7 @@ def _set_output(quiet: bool) -> None:
 MODEL_COLUMNS = ("name", "family", "size", "source", "state", "size on disk")
 
 
-@app.command()
+@app.command(short_help="List the short model names recap knows and whether each is on disk.")
 @_interruptible
 def models() -> None:
     """List the short model names recap knows, their family and size, and whether each is on disk (tab-separated:
@@ -105,20 +109,19 @@ def _size(n: int | None) -> str:
 
 
 # The decoding settings, the same on `run` and `compare` (docs/sampling.md).
-# Help texts escape "[default: ...]" as \\[: rich would read it as a markup tag and drop it from --help.
-TEMPERATURE = typer.Option(None, help="sample at this temperature (0: greedy) \\[default: the model's generation "
+TEMPERATURE = typer.Option(None, help="sample at this temperature (0: greedy) [default: the model's generation "
                            "config, else greedy]")
 TOP_P = typer.Option(None, help="sample from the smallest set of tokens holding this much probability")
 TOP_K = typer.Option(None, help="sample from the k most likely tokens (0: all; 1: greedy)")
 REPETITION_PENALTY = typer.Option(None, help="divide the scores of tokens already in the prompt or answer by this "
                                   "(1: off)")
 SEED = typer.Option(None, help="seed of the sampled tokens: the same seed gives the same tokens with every method "
-                    "and batch size \\[default: drawn, written to the records]")
+                    "and batch size [default: drawn, written to the records]")
 GENERATION_CONFIG = typer.Option("model", help="model: start from the model's generation config, as "
                                  "model.generate() does; greedy: from plain greedy decoding")
 
 
-@app.command()
+@app.command(short_help="Answer every request of INPUTS, one JSON line out per line in, in order.")
 @_interruptible
 def run(
     inputs: str = typer.Argument(..., help="JSONL file of requests, or - for stdin"),
@@ -127,7 +130,7 @@ def run(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="write JSONL here instead of stdout "
                                           "(- : stdout)"),
     root: Optional[Path] = typer.Option(None, help="folder relative image paths start from "
-                                        "\\[default: the input file's folder; the working directory for stdin]"),
+                                        "[default: the input file's folder; the working directory for stdin]"),
     max_new_tokens: int = typer.Option(200, min=1, help="per request, and the most a record's own "
                                        "max_new_tokens gets (the model's context length caps both)"),
     allow_longer: bool = typer.Option(False, help="let a record's own max_new_tokens go past --max-new-tokens"),
@@ -153,7 +156,7 @@ def run(
     compile: str = typer.Option("auto", help="static KV cache + CUDA graphs: auto (on with CUDA at batch 1), on "
                                 "(batched too) or off"),
     batch: Optional[int] = typer.Option(None, min=1, help="requests decoding together, each with its own draft "
-                                        f"tree (continuous batching) \\[default: {DEFAULT_BATCH['cpu']} on CPU, "
+                                        f"tree (continuous batching) [default: {DEFAULT_BATCH['cpu']} on CPU, "
                                         f"{DEFAULT_BATCH['cuda']} on CUDA]"),
     offline: bool = typer.Option(False, help="never ask the hub; use the local cache only (also HF_HUB_OFFLINE=1)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress, info or summary on stderr (errors still "
@@ -172,7 +175,7 @@ def run(
     prefix_cache: Optional[int] = typer.Option(None, "--prefix-cache", min=0, help="MB of prefill results kept "
                                                "for reuse: a prompt that starts like an earlier one (same image, "
                                                "same text before its question; a conversation's next turn) "
-                                               "prefills only the rest; 0: off \\[default: a tenth of the model's "
+                                               "prefills only the rest; 0: off [default: a tenth of the model's "
                                                "weights, at least 64 MB]"),
 ) -> None:
     """Answer every request of INPUTS, one JSON line out per line in, in order."""
@@ -400,7 +403,8 @@ def _check_paths(inputs: list[Path], **targets: Path | None) -> None:
         fail(problem)
 
 
-@app.command()
+@app.command(short_help="Run every method on the same inputs, interleaved, and report speedups over the "
+             "baseline.")
 @_interruptible
 def compare(
     inputs: list[Path] = typer.Argument(..., help="JSONL files; each is a dataset unless records name one"),
@@ -409,7 +413,7 @@ def compare(
                                 "recap:mixing=fixed, recap:orders=1, recap:suffix=off, recap:budget=16, "
                                 "tr:budget=auto, pld:budget=10"),
     model: str = typer.Option("demo", "--model", "-m", help="short name, hub repo id or local directory"),
-    root: Optional[Path] = typer.Option(None, help="folder relative image paths start from \\[default: each "
+    root: Optional[Path] = typer.Option(None, help="folder relative image paths start from [default: each "
                                         "input file's folder; the working directory for stdin]"),
     max_new_tokens: int = typer.Option(200, min=1, help="new tokens per input (a record's own max_new_tokens "
                                        "goes first)"),
@@ -437,7 +441,7 @@ def compare(
     generation_config: str = GENERATION_CONFIG,
     prefix_cache: Optional[int] = typer.Option(None, "--prefix-cache", min=0, help="MB of prefill results every "
                                                "method keeps for reuse (0: off; a method's own: ar:prefix=0) "
-                                               "\\[default: as recap run]"),
+                                               "[default: as recap run]"),
 ) -> None:
     """Run every method on the same inputs, interleaved, and report speedups over the baseline.
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from recap_cli import cli
@@ -49,6 +51,24 @@ def test_help_models_and_usage_errors_load_neither_torch_nor_transformers(tmp_pa
     assert not modules & set(HEAVY), f"`recap {' '.join(args)}` imported {sorted(modules & set(HEAVY))}"
     if args[0] == "run" and code == 2:
         assert done.stderr.strip() == "error: input file not found: missing.jsonl"
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["compare"]])
+def test_help_at_80_columns_names_every_option_whole(command):
+    """Rich's help panels cut long option names at 80 columns ("--memory-cold-on-e…"); click's layout never does,
+    and the commands' descriptions are whole too (click cuts the ones it makes itself: "...")."""
+    result = CliRunner().invoke(cli.app, [*command, "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert all(len(line) <= 80 for line in text.splitlines())
+    cut = re.sub(r"\[ARGS\]\.\.\.|inputs\}?\.\.\.", "", text)  # "..." there says more arguments may follow
+    assert "…" not in cut and "..." not in cut, text
+    group = typer.main.get_command(cli.app)
+    found = group.commands[command[0]] if command else group
+    names = [name for param in found.params for name in (*param.opts, *param.secondary_opts) if name.startswith("-")]
+    assert len(names) >= (20 if command else 0)  # (the group's own options: --help alone, not among its params)
+    for name in names:
+        assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text), f"{name} is not whole in {command} --help"
 
 
 def test_models_names_its_columns_on_stderr_and_keeps_stdout_to_rows():
