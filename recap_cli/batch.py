@@ -13,7 +13,7 @@ from .adapters import Adapter, Message, Prompt
 from .decoding.engine import Generation
 from .decoding.sampling import GREEDY, Picker, Settings, request_key
 from .prepare import Preparer
-from .records import Request, as_parts, first_line, load_image, user_message
+from .records import Request, TransientError, as_parts, first_line, load_image, user_message
 from .session import GenerateSession, Session
 from .decoding.tree import Source
 
@@ -82,7 +82,7 @@ def answer_with_tokens(session: Session | GenerateSession, req: Request, model: 
                        max_new_tokens: int) -> tuple[dict, list[list[int]]]:
     """The record and each turn's token ids (empty on error), for callers that check exactness."""
     if req.error is not None:
-        return error_record(req, session.method, model, req.error), []
+        return error_record(req, session.method, model, req.error, req.retry), []
     turns = _turns(session.adapter, req, session.method, model, req.max_new_tokens or max_new_tokens,
                    getattr(session, "sampling", GREEDY))
     try:
@@ -107,13 +107,22 @@ def _failed(turns: Generator[Ask, Generation, Answered], req: Request, method: s
         return done.value
     except Exception:  # noqa: BLE001 - not waiting for a turn (never started, or ended): exc came straight back
         pass
-    return error_record(req, method, model, failure(exc)), []
+    return error_record(req, method, model, failure(exc), retryable(exc)), []
 
 
 def failure(exc: BaseException) -> str:
     """A per-request failure as its record's ``error``: the message of a bad input (ValueError), else the
     exception's type and first line (out of memory on one huge input, ...)."""
     return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {first_line(exc)}"
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether a rerun may answer what ``exc`` failed (its record's ``retry``, what ``--resume`` goes by). A
+    ValueError is the request's own fault (a bad record, an unreadable image, a prompt longer than the model
+    reads): the same line fails the same way again. Anything else lies outside it: out of memory (the CUDA
+    allocator's, or a batch's shared step that one large row overran, failing every row in it), a file system that
+    timed out (``TransientError``), a bug in recap; a rerun, alone or in another batch, may succeed."""
+    return isinstance(exc, TransientError) or not isinstance(exc, ValueError)
 
 
 REFILL_SHARE = 4  # free rows are refilled once a quarter of the batch is free (see InFlight.run)
@@ -144,7 +153,9 @@ def _turns(adapter: Adapter, req: Request, method: str, model: str, max_new_toke
         try:
             gen = yield messages, images, max_new_tokens, picker
         except Exception as exc:  # noqa: BLE001 - this turn's failure, thrown in by ``_failed``
-            return turn_error_record(req, method, model, failure(exc), answers, gens, settings), []
+            record = turn_error_record(req, method, model, failure(exc), answers, gens, settings,
+                                       retry=retryable(exc))
+            return record, []
         text = adapter.decode(gen.tokens)
         answers.append(text)
         gens.append(gen)
@@ -225,7 +236,8 @@ def _one_at_a_time(session: Session | GenerateSession, requests: Iterable[Reques
     while True:
         while len(ahead) < LOOK_AHEAD and (req := next(pending, None)) is not None:
             if req.error is not None:
-                ahead.append((None, preparer.done((error_record(req, session.method, model, req.error), []))))
+                record = error_record(req, session.method, model, req.error, req.retry)
+                ahead.append((None, preparer.done((record, []))))
             else:
                 chat = Conversation(session, req, model, max_new_tokens)
                 ahead.append((chat, preparer.submit(chat.advance, None)))
@@ -297,7 +309,7 @@ class InFlight:
     def _begin(self, req: Request) -> None:
         seq, self.started = self.started, self.started + 1
         if req.error is not None:
-            self.done[seq] = error_record(req, self.session.method, self.model, req.error), []
+            self.done[seq] = error_record(req, self.session.method, self.model, req.error, req.retry), []
             return
         self.chats[seq] = Conversation(self.session, req, self.model, self.max_new_tokens)
         self._resume(seq, None)
@@ -374,21 +386,24 @@ def result_record(req: Request, method: str, model: str, answer: str, gens: list
     return record
 
 
-def error_record(req: Request, method: str, model: str, error: str) -> dict:
-    record = {"id": req.id, "line": req.line, "answer": None, "method": method, "model": model, "error": error}
+def error_record(req: Request, method: str, model: str, error: str, retry: bool) -> dict:
+    """The record of a request that failed. ``retry``: a rerun may succeed (``retryable``), so ``--resume``
+    answers the line again; every error record says so either way, for a reader to tell the two apart."""
+    record = {"id": req.id, "line": req.line, "answer": None, "method": method, "model": model, "error": error,
+              "retry": retry}
     if req.dataset is not None:
         record["dataset"] = req.dataset
     return record
 
 
 def turn_error_record(req: Request, method: str, model: str, error: str, answers: list[str],
-                      gens: list[Generation], settings: Settings = GREEDY) -> dict:
+                      gens: list[Generation], settings: Settings = GREEDY, *, retry: bool) -> dict:
     """The error record of a turn that failed. In a conversation the error names the turn, and the turns answered
     before it stay (their ``answers``, how many, their new tokens and how they were chosen): a later turn that
     outgrows the context must not cost the answers already decoded. ``answer`` stays None: the last turn has none."""
     if len(req.turns) == 1:
-        return error_record(req, method, model, error)
-    record = error_record(req, method, model, f"turn {len(answers) + 1} of {len(req.turns)}: {error}")
+        return error_record(req, method, model, error, retry)
+    record = error_record(req, method, model, f"turn {len(answers) + 1} of {len(req.turns)}: {error}", retry)
     if answers:
         record.update(answers=answers, turns=len(gens), new_tokens=sum(len(g.tokens) for g in gens),
                       decoding=settings.describe())

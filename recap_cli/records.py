@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import difflib
+import errno
 import os
 import re
 import struct
@@ -45,6 +46,7 @@ class Request:
     dataset: str | None = None
     settings: dict[str, Any] = field(default_factory=dict)  # its own temperature, top_p, ... over the run's
     error: str | None = None
+    retry: bool = False  # its error lies outside the line (recap's own failure): a rerun may answer it
     unknown: list[str] = field(default_factory=list)  # keys recap does not read (a typo drops what it meant)
 
 
@@ -204,6 +206,20 @@ def unknown_key(key: str) -> str:
     return f"key '{key}' is not one recap reads: ignored{hint}"
 
 
+class TransientError(ValueError):
+    """A request's failure said as plainly as a bad input's (its message is the record's error) whose cause lies
+    outside the request, so that a rerun may succeed: ``--resume`` answers its line again."""
+
+
+# The system's errors of a file that may read on a second try (a network file system that timed out or lost its
+# server, a machine short of memory or file handles), unlike a missing or damaged file. Names some systems lack
+# are left out.
+TRANSIENT_ERRNOS = frozenset(getattr(errno, name) for name in (
+    "EAGAIN", "EBUSY", "EINTR", "EIO", "EMFILE", "ENFILE", "ENOMEM", "ENOBUFS", "ESTALE", "ETIMEDOUT",
+    "ECONNABORTED", "ECONNREFUSED", "ECONNRESET", "EHOSTDOWN", "EHOSTUNREACH", "ENETDOWN", "ENETUNREACH",
+    "ENOLINK", "EREMOTEIO") if hasattr(errno, name))
+
+
 def load_image(path: Path, max_pixels: int = MAX_IMAGE_PIXELS, root: Path | None = None) -> Image.Image:
     """An RGB image the way it is meant to be seen (EXIF orientation applied: phone photos are stored sideways),
     or a ValueError that says what is wrong with the file; ``root`` is where a relative path was resolved."""
@@ -220,8 +236,9 @@ def load_image(path: Path, max_pixels: int = MAX_IMAGE_PIXELS, root: Path | None
             return _eight_bit(_upright(img)).convert("RGB")
     except (UnidentifiedImageError, Image.DecompressionBombError) as exc:
         raise ValueError(f"cannot read image {path}: {exc}") from exc
-    except OSError as exc:
-        raise ValueError(f"cannot read image {path}: {exc}") from exc
+    except OSError as exc:  # PIL's own (a truncated file) carry no errno: the file is what it is
+        kind = TransientError if exc.errno in TRANSIENT_ERRNOS else ValueError
+        raise kind(f"cannot read image {path}: {exc}") from exc
 
 
 def _upright(img: Image.Image) -> Image.Image:

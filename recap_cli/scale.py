@@ -296,8 +296,9 @@ class Worker:
             req = parse_capped(raw, line, self.job)
             record = answer(self.session, req, self.job.model, self.job.max_new_tokens)
         except Exception as exc:  # noqa: BLE001 - an unexpected failure fails its record, not the worker
+            # It is recap's own failure, not the line's (parse_line turns a bad line into a request): retried.
             record = error_record(req, self.job.method, self.job.model, f"{type(exc).__name__}: "
-                                  f"{records.first_line(exc)}")
+                                  f"{records.first_line(exc)}", retry=True)
         self.done += 1
         self._maybe_fault()
         return records.dumps(record)
@@ -309,7 +310,8 @@ class Worker:
             try:
                 reqs.append(parse_capped(raw, line, self.job))
             except Exception as exc:  # noqa: BLE001 - see _answer
-                reqs.append(records.Request(line, line, error=f"{type(exc).__name__}: {records.first_line(exc)}"))
+                reqs.append(records.Request(line, line, error=f"{type(exc).__name__}: {records.first_line(exc)}",
+                                            retry=True))
         out = []
         for record, _ in answer_all(self.session, reqs, self.job.model, self.job.max_new_tokens):
             out.append(records.dumps(record))

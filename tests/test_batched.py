@@ -395,6 +395,7 @@ def test_a_step_that_fails_fails_its_rows_and_the_run_goes_on(get_adapter, tmp_p
     assert len(failed) == calls[2]  # every row of the failed step, and only those
     assert all(out[i][0]["error"].endswith("RuntimeError: CUDA out of memory. Tried to allocate 2 GiB")
                for i in failed)
+    assert all(out[i][0]["retry"] is True for i in failed)  # no fault of theirs: --resume answers them again
     assert [t for i, (_, t) in enumerate(out) if i not in failed] == [
         t for i, (_, t) in enumerate(want) if i not in failed]
 

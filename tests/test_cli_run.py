@@ -417,5 +417,6 @@ def test_recap_run_keeps_the_turns_answered_before_one_that_fails(short_model, w
     assert r.exit_code == 1 and alone["error"] is None
     assert grows["error"].startswith("turn 2 of 2: the prompt is") and grows["answers"] == [alone["answer"]]
     assert grows["new_tokens"] == alone["new_tokens"] and grows["turns"] == 1 and grows["answer"] is None
+    assert grows["retry"] is False  # the prompt outgrows the model: no rerun fixes that
     r = invoke(args + ["--resume"])
     assert r.exit_code == 0 and len(lines(out.read_text())) == 2  # nothing left to answer

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import orjson
 import pytest
 from PIL import Image
 
-from recap_cli.records import glance, load_image, parse_line, unknown_key
+from recap_cli.records import TransientError, glance, load_image, parse_line, unknown_key
 
 
 def parse(rec: dict):
@@ -68,6 +69,40 @@ def test_a_url_or_a_folder_as_the_image_says_so(tmp_path):
     assert "is a URL" in parse({"id": "u", "image": "https://example.com/cat.jpg"}).error
     with pytest.raises(ValueError, match="is a folder"):
         load_image(tmp_path)
+
+
+def test_an_image_the_file_system_failed_to_give_may_read_on_a_rerun(tmp_path, monkeypatch):
+    """A network file system that timed out is no fault of the file: its error is a TransientError (its record
+    says ``"retry": true``); a damaged file fails the same way every time, a plain ValueError."""
+    from recap_cli.batch import retryable
+
+    damaged = tmp_path / "damaged.png"
+    damaged.write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    with pytest.raises(ValueError, match="cannot read image") as bad:
+        load_image(damaged)
+    assert not isinstance(bad.value, TransientError) and not retryable(bad.value)
+    Image.new("RGB", (8, 8)).save(tmp_path / "ok.png")
+
+    def timed_out(*args, **kwargs):
+        raise OSError(errno.ETIMEDOUT, "Connection timed out")
+
+    monkeypatch.setattr(Image, "open", timed_out)
+    with pytest.raises(TransientError, match="cannot read image .*timed out") as flaky:
+        load_image(tmp_path / "ok.png")
+    assert retryable(flaky.value)
+
+
+def test_only_a_bad_input_is_an_error_for_good():
+    """What a record's ``retry`` says: a ValueError is the request's own fault, anything else (out of memory, a
+    bug in recap) may pass on a rerun."""
+    import torch
+
+    from recap_cli.batch import retryable
+
+    assert not retryable(ValueError("the prompt is 90 tokens and the model reads at most 64"))
+    for passing in (torch.OutOfMemoryError("CUDA out of memory"), MemoryError(), RuntimeError("CUDA error"),
+                    IndexError("drafter bug"), TransientError("cannot read image a.png: timed out")):
+        assert retryable(passing), passing
 
 
 @pytest.mark.parametrize("mode, suffix, opened", [("I;16", "png", "I;16"), ("I;16B", "tif", "I;16B"),
