@@ -140,7 +140,8 @@ def run(
     memory: Optional[Path] = typer.Option(None, help="load the persistent draft memory from here; save it at the end"),
     memory_cold_on_error: bool = typer.Option(False, help="start cold (with a warning) when --memory cannot be "
                                               "read, instead of stopping; the run's end overwrites it"),
-    resume: bool = typer.Option(False, help="skip lines already answered in --output (same line and id); append"),
+    resume: bool = typer.Option(False, help="skip lines already in --output (same line and id), but for those with "
+                                "only errors a rerun may fix (\"retry\": true); append"),
     summary: Optional[Path] = typer.Option(None, help="also write the end-of-run summary here as JSON"),
     budget: Optional[str] = typer.Option(None, help="draft nodes per step: auto (sized by measured step cost, "
                                          "the default for recap and pld), or a number; tr: auto or its template"),
@@ -203,13 +204,14 @@ def run(
     decoding = _decoding_asked(generation_config, temperature=temperature, top_p=top_p, top_k=top_k,
                                repetition_penalty=repetition_penalty, seed=seed)
     knobs = {"prefix_cache": "auto" if prefix_cache is None else prefix_cache} | knobs  # a Session argument
-    if ray is not None:
+    if ray is not None:  # what the output holds is read (a torn tail cut) before the cluster starts
+        earlier = _resuming(output) if resume and output is not None else None
         job = dict(model=model, method=method, knobs=knobs, compile=compile, device=device, dtype=dtype, attn=attn,
                    max_new_tokens=max_new_tokens, allow_longer=allow_longer, base=base, batch=batch,
                    decoding=decoding)
         _run_on_ray(source, job, dict(address=ray, workers=workers, gpus_per_worker=gpus_per_worker,
-                                      cpus_per_worker=cpus_per_worker), output, resume, memory, summary, total,
-                    warm=saved is not None)
+                                      cpus_per_worker=cpus_per_worker), output, earlier, memory, summary,
+                    total, warm=saved is not None)
     adapter = _loaded(model, offline, device=device, dtype=dtype, attn=attn)
     from .batch import Totals, answer_all, run_figures
     from .models import ModelError
@@ -233,10 +235,7 @@ def run(
             info(f"warm start: drafter memory loaded from {memory}")
         except MemoryFileError as exc:
             _memory_failed(exc, memory_cold_on_error)
-    skip, unnumbered = records.answered(output) if resume and output is not None else (set(), 0)
-    if unnumbered:
-        err.print(f"[yellow]warning:[/] {unnumbered} records in {output} carry no line number (an older recap "
-                  "wrote them): their lines are answered again", highlight=False)
+    earlier = _resuming(output) if resume and output is not None else records.Earlier()
     totals = Totals()
     stop = None  # the exit code of a run that did not reach the end of its input
     # A stop signal after the last record, or during the memory save and the summary, waits for them: the save
@@ -251,7 +250,7 @@ def run(
                 capped, warned = False, set()
                 for req in records.read(source, base):
                     _warn_unknown(req.line, req.unknown, warned)
-                    if records.answer_key(req) in skip:
+                    if records.answer_key(req) in earlier.done:
                         progress.advance(task)
                         continue
                     if records.cap_new_tokens(req, max_new_tokens, allow_longer) and not capped:
@@ -293,6 +292,20 @@ def run(
     if stop is not None:
         raise typer.Exit(stop)
     raise typer.Exit(EXIT_FAILED_RECORDS if totals.errors else EXIT_OK)
+
+
+def _resuming(output: Path) -> records.Earlier:
+    """What --resume finds in the output (a torn last line cut), and what people should know of it before the
+    run: records no line is matched to, and lines answered again because their errors may pass."""
+    earlier = records.answered(output)
+    if earlier.unnumbered:
+        err.print(f"[yellow]warning:[/] {earlier.unnumbered} records in {escape(str(output))} carry no line number "
+                  "(an older recap wrote them): their lines are answered again", highlight=False)
+    if earlier.retry:
+        n = len(earlier.retry)
+        info(f"{n} line{'s' if n != 1 else ''} of {escape(str(output))} failed with errors a rerun may fix (out of "
+             "memory, ...): answered again, after their error records")
+    return earlier
 
 
 def _say_capped(line: int, ceiling: int) -> None:
@@ -599,20 +612,21 @@ def _loaded(model: str, offline: bool, **how):
         raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
-def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None, resume: bool,
+def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None, earlier: records.Earlier | None,
                 memory: Path | None, summary: Path | None, total: int | None, warm: bool = True) -> None:
-    """``warm``: the workers start from --memory's file; False when the checks before the model chose a cold
-    start (--memory-cold-on-error on a damaged file), which the run's end then overwrites."""
+    """``earlier``: with --resume, what the output already holds (``_resuming``); ``warm``: the workers start
+    from --memory's file; False when the checks before the model chose a cold start (--memory-cold-on-error on a
+    damaged file), which the run's end then overwrites."""
     try:
         from . import scale
     except ImportError:
         fail(escape("--ray needs Ray: pip install 'recap-cli[ray]' (or -e \".[ray]\" in a checkout)"))
-    with _LateSink(output, resume) as sink, \
+    with _LateSink(output, earlier is not None) as sink, \
             _progress(total) as progress:
         task = progress.add_task("answering", total=total)
         try:
             outcome = scale.run(source, scale.Job(**job, fault_after=scale.fault_after()), scale.Cluster(**cluster),
-                                sink, output, resume, memory, lambda: progress.advance(task),
+                                sink, earlier, memory, lambda: progress.advance(task),
                                 functools.partial(_warn_unknown, warned=set()),
                                 functools.partial(_say_capped, ceiling=job["max_new_tokens"]), warm=warm)
         except (scale.ScaleError, ValueError) as exc:

@@ -290,23 +290,52 @@ def cap_new_tokens(req: Request, ceiling: int, allow_longer: bool) -> bool:
     return True
 
 
-def answer_key(req: Request) -> tuple[int, bytes]:
+Key = tuple[int, bytes]  # a line's number and its id as JSON: what --resume matches records on
+
+
+def answer_key(req: Request) -> Key:
     """What --resume matches on: the input line and its id. The line alone is unique by construction; the id
     guards against an input file edited between runs; ids alone repeat, and a line without one takes its
     number, which another line may use as an explicit id."""
     return req.line, orjson.dumps(req.id)
 
 
-def answered(output: Path) -> tuple[set[tuple[int, bytes]], int]:
-    """(line, id) keys of the records already in an output file (for --resume), after cutting a torn last line
-    left by a crash, and the number of records without a line number (from an older recap; answered again).
+# What a line's records in an output file come to, strongest first: an answer is never redone, an error a rerun
+# would repeat is not tried again, and only a line with nothing but errors a rerun may fix is.
+ANSWERED, FAILED, RETRY = 0, 1, 2
+
+
+def verdict(record: dict) -> int:
+    """What one output record says of its line. An error record counts as one a rerun may fix only where it says
+    so (``"retry": true``): older recaps wrote no ``retry``, and their errors stay skipped as they always were."""
+    if record.get("error") is None:
+        return ANSWERED
+    return RETRY if record.get("retry") is True else FAILED
+
+
+@dataclass
+class Earlier:
+    """What an output file already holds for --resume, by line key (``answer_key``)."""
+
+    done: set[Key] = field(default_factory=set)  # lines not to answer again: an answer, or an error for good
+    failed: set[Key] = field(default_factory=set)  # of those, the lines with error records only
+    retry: set[Key] = field(default_factory=set)  # lines with only errors a rerun may fix: answered again
+    unnumbered: int = 0  # records without a line number (from an older recap): their lines are answered again
+
+
+def answered(output: Path) -> Earlier:
+    """What the records already in an output file say of each line (for --resume), after cutting a torn last
+    line left by a crash. Records are only ever appended, so a line answered again after an error a rerun may fix
+    has both records: the line counts as answered if any of its records is an answer (``verdict``).
 
     The file is read line by line (never whole: outputs grow to hundreds of megabytes) and a torn tail is cut by
     truncating in place: every whole record stays where it is whatever stops the cut (rewriting the file would
     empty it first, and a kill then would leave nothing)."""
+    earlier = Earlier()
     if not output.is_file():
-        return set(), 0
-    keys, unnumbered, whole, torn = set(), 0, 0, False
+        return earlier
+    verdicts: dict[Key, int] = {}
+    whole, torn = 0, False
     with open(output, "rb") as f:
         for raw in f:
             if not raw.endswith(b"\n"):  # only the last line can lack its newline
@@ -317,11 +346,16 @@ def answered(output: Path) -> tuple[set[tuple[int, bytes]], int]:
                 rec = orjson.loads(raw)
                 line = rec.get("line")
                 if isinstance(line, int) and "id" in rec:
-                    keys.add((line, orjson.dumps(rec["id"])))
+                    key = (line, orjson.dumps(rec["id"]))
+                    verdicts[key] = min(verdicts.get(key, RETRY), verdict(rec))
                 else:
-                    unnumbered += 1
+                    earlier.unnumbered += 1
             except (orjson.JSONDecodeError, AttributeError):
                 continue
     if torn:
         os.truncate(output, whole)
-    return keys, unnumbered
+    for key, said in verdicts.items():
+        (earlier.retry if said == RETRY else earlier.done).add(key)
+        if said == FAILED:
+            earlier.failed.add(key)
+    return earlier

@@ -83,10 +83,11 @@ class Outcome:
     restarts: int = 0
 
 
-def run(source: IO[bytes], job: Job, cluster: Cluster, sink: IO[bytes], output: Path | None, resume: bool,
+def run(source: IO[bytes], job: Job, cluster: Cluster, sink: IO[bytes], earlier: records.Earlier | None,
         memory: Path | None, progress=None, unknown: Callable[[int, list[str]], None] | None = None,
         capped: Callable[[int], None] | None = None, warm: bool = True) -> Outcome:
-    """Answer every line of ``source`` on the cluster and write the records to ``sink`` in input order;
+    """Answer every line of ``source`` on the cluster and write the records to ``sink`` in input order; with
+    ``earlier`` (--resume: what the output holds, ``records.answered``) only the lines a local run would answer;
     ``unknown(line, keys)`` hears of each line's keys recap does not read (the workers parse the lines), and
     ``capped(line)`` of the first line whose own max_new_tokens the run's cap cut. Without ``warm`` the workers
     start cold and the merged memory owes nothing to ``memory``'s file (a damaged one the user chose to replace):
@@ -100,8 +101,8 @@ def run(source: IO[bytes], job: Job, cluster: Cluster, sink: IO[bytes], output: 
         if cap and asked is not None and asked > job.max_new_tokens:
             capped(n)
             cap = False
-    if resume and output is not None:
-        todo = pending(lines, output, job.base)
+    if earlier is not None:
+        todo = pending(lines, earlier, job.base)
         for _ in range(len(lines) - len(todo)):
             progress and progress()  # skipped lines count as done, as in a local run
         lines = todo
@@ -155,10 +156,11 @@ def parse_capped(raw: bytes, line: int, job: Job) -> records.Request:
     return req
 
 
-def pending(lines: list[tuple[int, bytes]], output: Path, base: Path) -> list[tuple[int, bytes]]:
-    """The lines ``--resume`` still has to answer: those whose record the output does not hold yet."""
-    done, _ = records.answered(output)
-    return [(n, raw) for n, raw in lines if records.answer_key(records.parse_line(raw, n, base)) not in done]
+def pending(lines: list[tuple[int, bytes]], earlier: records.Earlier, base: Path) -> list[tuple[int, bytes]]:
+    """The lines ``--resume`` still has to answer: those the output holds no record of, or only errors a rerun
+    may fix (as a local run goes by)."""
+    return [(n, raw) for n, raw in lines
+            if records.answer_key(records.parse_line(raw, n, base)) not in earlier.done]
 
 
 def _connect(address: str) -> bool:

@@ -9,12 +9,13 @@ import time
 
 import orjson
 import pytest
+import torch
 from PIL import Image
 from typer.testing import CliRunner
 
 from recap_cli import batch as batch_module
 from recap_cli import cli, models
-from recap_cli.decoding.batched import Batch
+from recap_cli.decoding.batched import Batch, BatchEngine
 from recap_cli.session import Session
 
 from .conftest import make_image
@@ -157,6 +158,80 @@ def test_resume_skips_answered_ids_and_repairs_a_torn_line(model_dirs, workdir):
     assert r.exit_code == 0
     ids = [x["id"] for x in lines(out.read_text())]
     assert ids == ["r0", "r1", "r2", "r3"]
+
+
+# --- resume after errors: a line is answered again only where its records are errors a rerun may fix ----------
+
+def unwrapped(result) -> str:
+    """stderr with line wrapping undone (rich wraps at 80 columns when stderr is not a terminal)."""
+    return " ".join(result.stderr.split())
+
+
+def outcome(record: dict) -> tuple:
+    """What a line's record says, without its timings."""
+    return record["line"], record["id"], record["answer"], record.get("new_tokens"), record["error"]
+
+
+def prompts(n: int) -> list[dict]:
+    return [{"id": f"q{i}", "prompt": f"Question number {i}?"} for i in range(n)]
+
+
+OOM = "OutOfMemoryError: CUDA out of memory. Tried to allocate 9 GiB"
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_resume_answers_again_the_lines_that_ran_out_of_memory(model_dirs, workdir, monkeypatch, batch):
+    """Out of memory is no fault of the line (at batch 1 one decode, in a batch the shared step, which fails
+    every row in it): its record says ``"retry": true`` and ``--resume`` answers it again, appending the answer
+    after the error record (the file is never rewritten); a line's last record is what a run without the failure
+    writes, and a second resume has nothing left to do."""
+    path, out = workdir / f"oom{batch}.jsonl", workdir / f"oom{batch}.out.jsonl"
+    path.write_bytes(jsonl(*prompts(4)))
+    args = ["run", path, "--model", model_dirs["text"], "-o", out, "--max-new-tokens", 4, "--batch", batch]
+    assert invoke(args).exit_code == 0
+    want = [outcome(r) for r in lines(out.read_text())]
+    target = (Session, "decode") if batch == 1 else (BatchEngine, "verify")
+    real, calls = getattr(*target), []
+
+    def out_of_memory_once(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError(OOM.removeprefix("OutOfMemoryError: "))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(*target, out_of_memory_once)
+    assert invoke(args).exit_code == 1
+    first = lines(out.read_text())
+    failed = [r["line"] for r in first if r["error"]]
+    assert failed and all(r["error"] == OOM and r["retry"] is True for r in first if r["error"])
+    monkeypatch.undo()
+    r = invoke(args + ["--resume"])
+    assert r.exit_code == 0, r.stderr
+    n = len(failed)
+    assert f"{n} line{'s' * (n > 1)} of {out} failed with errors a rerun may fix" in unwrapped(r)
+    after = lines(out.read_text())
+    assert after[:4] == first and [x["line"] for x in after[4:]] == failed
+    last = {x["line"]: x for x in after}  # a line's last record is the one that counts
+    assert [outcome(last[n]) for n in sorted(last)] == want
+    assert invoke(args + ["--resume"]).exit_code == 0 and lines(out.read_text()) == after
+
+
+def test_resume_never_answers_again_a_line_that_has_an_answer(model_dirs, workdir):
+    """However a line's records lie in the output, one answer among them is enough: only the line whose records
+    are all errors a rerun may fix is answered again."""
+    path, out = workdir / "kept.jsonl", workdir / "kept.out.jsonl"
+    path.write_bytes(jsonl(*prompts(3)))
+    oom = {"answer": None, "method": "recap", "model": "m", "error": OOM, "retry": True}
+    ok = {"answer": "kept", "method": "recap", "model": "m", "error": None}
+    out.write_bytes(jsonl({"id": "q0", "line": 1, **ok}, {"id": "q0", "line": 1, **oom},  # in either order
+                          {"id": "q1", "line": 2, **oom}, {"id": "q1", "line": 2, **ok},
+                          {"id": "q2", "line": 3, **oom}))
+    args = ["run", path, "--model", model_dirs["text"], "-o", out, "--max-new-tokens", 3, "--resume"]
+    r = invoke(args)
+    assert r.exit_code == 0, r.stderr
+    after = lines(out.read_text())
+    assert len(after) == 6 and after[-1]["line"] == 3 and after[-1]["error"] is None
+    assert invoke(args).exit_code == 0 and lines(out.read_text()) == after
 
 
 @pytest.mark.parametrize("batch", [1, 3])

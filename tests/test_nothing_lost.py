@@ -58,10 +58,29 @@ def test_the_cut_reads_each_record_once_and_keeps_the_keys(tmp_path):
     out = tmp_path / "out.jsonl"
     recs = [{"id": "a", "line": 1}, {"id": 7, "line": 2}, {"id": "old"}, {"id": "b", "line": 4}]
     out.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in recs) + b"\n" + b'{"id": "c", "line": 5')
-    keys, unnumbered = answered(out)
-    assert keys == {(1, b'"a"'), (2, b"7"), (4, b'"b"')} and unnumbered == 1
+    earlier = answered(out)
+    assert earlier.done == {(1, b'"a"'), (2, b"7"), (4, b'"b"')} and earlier.unnumbered == 1
     assert out.read_bytes().endswith(orjson.dumps(recs[-1]) + b"\n\n")
-    assert answered(out) == (keys, unnumbered)  # whole already: nothing more is cut
+    assert answered(out) == earlier  # whole already: nothing more is cut
+
+
+def test_a_line_is_answered_again_only_where_every_record_of_it_is_an_error_a_rerun_may_fix(tmp_path):
+    """Records are only ever appended: a line answered again after an error has both records, and one answer
+    among a line's records, or one error for good (``"retry": false``, or no ``retry``: an older recap), keeps it
+    from being answered again."""
+    from recap_cli.records import answered
+
+    out = tmp_path / "out.jsonl"
+    oom, bad = {"error": "OutOfMemoryError: CUDA out of memory", "retry": True}, {"error": "image not found: a.png"}
+    recs = [{"line": 1, **oom}, {"line": 1, "error": None},  # retried and answered
+            {"line": 2, **oom}, {"line": 2, **oom},  # failed twice: a rerun may still fix it
+            {"line": 3, **bad}, {"line": 4, **bad, "retry": False}, {"line": 5, **oom}, {"line": 5, **bad},
+            {"line": 6, "error": None}]
+    out.write_bytes(b"".join(orjson.dumps({"id": r["line"], **r}) + b"\n" for r in recs))
+    earlier = answered(out)
+    assert sorted(line for line, _ in earlier.done) == [1, 3, 4, 5, 6]
+    assert sorted(line for line, _ in earlier.failed) == [3, 4, 5]
+    assert sorted(line for line, _ in earlier.retry) == [2]
 
 
 # --- the final memory save: whatever signal arrives, it finishes, the summary is written, no temp file stays --

@@ -87,15 +87,19 @@ def test_two_workers_write_what_a_local_run_writes_in_order(ray_local, inputs, l
 
 
 def test_resume_from_stdin_answers_only_what_the_output_lacks(ray_local, inputs, local, tmp_path, monkeypatch):
+    """As a local run: line 1 ran out of memory (a rerun may fix that) and is answered again, after its error
+    record; lines 3 and 4 failed for good (bad JSON, a missing image) and are skipped."""
     out = tmp_path / "out.jsonl"
-    head = b"".join(orjson.dumps(r) + b"\n" for r in local[:4])
+    oom = {**{k: local[0][k] for k in ("id", "line", "method", "model")}, "answer": None,
+           "error": "OutOfMemoryError: CUDA out of memory", "retry": True}
+    head = b"".join(orjson.dumps(r) + b"\n" for r in [oom, *local[1:4]])
     out.write_bytes(head + b'{"id": "torn')  # a crash left half a line
     monkeypatch.chdir(inputs.parent)  # stdin's relative image paths resolve against the working directory
     result = ray_run("-", "-o", out, "--resume", stdin=inputs.read_bytes())
     assert result.exit_code == 1, result.stderr
     assert result.stdout == ""
-    assert same(lines(out.read_text())) == same(local)
-    assert f"{len(local) - 4} items" in result.stderr
+    assert same(lines(out.read_text())) == same([oom, *local[1:4], local[0], *local[4:]])
+    assert f"{len(local) - 3} items" in result.stderr
 
 
 def test_a_worker_killed_mid_run_loses_and_duplicates_nothing(ray_local, inputs, local, tmp_path, monkeypatch):
