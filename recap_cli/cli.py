@@ -236,6 +236,7 @@ def run(
         except MemoryFileError as exc:
             _memory_failed(exc, memory_cold_on_error)
     earlier = _resuming(output) if resume and output is not None else records.Earlier()
+    failed_before: list[int] = []  # lines skipped whose records are only errors of earlier runs
     totals = Totals()
     stop = None  # the exit code of a run that did not reach the end of its input
     # A stop signal after the last record, or during the memory save and the summary, waits for them: the save
@@ -250,7 +251,9 @@ def run(
                 capped, warned = False, set()
                 for req in records.read(source, base):
                     _warn_unknown(req.line, req.unknown, warned)
-                    if records.answer_key(req) in earlier.done:
+                    if (key := records.answer_key(req)) in earlier.done:
+                        if key in earlier.failed:
+                            failed_before.append(req.line)
                         progress.advance(task)
                         continue
                     if records.cap_new_tokens(req, max_new_tokens, allow_longer) and not capped:
@@ -284,14 +287,16 @@ def run(
         stop = stop or _stopped_by(held)
         figures = run_figures(totals, time.perf_counter() - t0, session.batch, session.occupancy)
         written = _report(totals, summary, stop,
-                          {**figures, "decoding": {**settings.describe(), "seed": settings.seed}})
+                          {**figures, "decoding": {**settings.describe(), "seed": settings.seed},
+                           **({"errors_before": len(failed_before)} if resume else {})})
+        _say_failed_before(failed_before, output)
         if unwritten:
             err.print(f"[bold red]error:[/] {escape(unwritten)}", highlight=False)
     # A file the run was asked to write and could not (said above) is exit 2, as an unwritable path found before.
     stop = stop or _stopped_by(held) or (EXIT_USAGE if kept is None or not written else None)
     if stop is not None:
         raise typer.Exit(stop)
-    raise typer.Exit(EXIT_FAILED_RECORDS if totals.errors else EXIT_OK)
+    raise typer.Exit(EXIT_FAILED_RECORDS if totals.errors or failed_before else EXIT_OK)
 
 
 def _resuming(output: Path) -> records.Earlier:
@@ -306,6 +311,19 @@ def _resuming(output: Path) -> records.Earlier:
         info(f"{n} line{'s' if n != 1 else ''} of {escape(str(output))} failed with errors a rerun may fix (out of "
              "memory, ...): answered again, after their error records")
     return earlier
+
+
+def _say_failed_before(lines: list[int], output: Path | None, shown: int = 5) -> None:
+    """The lines --resume skipped whose records are only errors of earlier runs, errors a rerun would repeat:
+    the summary counts this run's errors only, yet the output still lacks their answers (so the run exits 1, as
+    the run that wrote them did)."""
+    if not lines:
+        return
+    named = ", ".join(map(str, lines[:shown])) + (f" and {len(lines) - shown} more" if len(lines) > shown else "")
+    many = len(lines) != 1
+    err.print(f"[yellow]warning:[/] {escape(str(output))} holds only error records for {len(lines)} "
+              f"line{'s' if many else ''} of the input ({named}), from earlier runs: errors a rerun would repeat "
+              f"(a bad record, an unreadable image), so --resume skipped {'them' if many else 'it'}", highlight=False)
 
 
 def _say_capped(line: int, ceiling: int) -> None:
@@ -637,14 +655,16 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
         stale = "" if outcome.memories_final else " (some workers' last requests missing: they did not stop cleanly)"
         err.print(f"memories of {outcome.memories_merged} workers merged into {memory}{stale}")
     written = _report(outcome.totals, summary, EXIT_INTERRUPTED if outcome.interrupted else None,
-                      scale.extra_summary(outcome))
+                      {**scale.extra_summary(outcome),
+                       **({"errors_before": len(outcome.failed_before)} if earlier is not None else {})})
     for worker, line in scale.worker_lines(outcome):
         err.print(f"  worker {worker}: {line}", highlight=False)
+    _say_failed_before(outcome.failed_before, output)
     if outcome.interrupted:
         raise typer.Exit(EXIT_INTERRUPTED)
     if not written:  # the summary file could not be written (said above): as a local run, exit 2
         raise typer.Exit(EXIT_USAGE)
-    raise typer.Exit(EXIT_FAILED_RECORDS if outcome.totals.errors else EXIT_OK)
+    raise typer.Exit(EXIT_FAILED_RECORDS if outcome.totals.errors or outcome.failed_before else EXIT_OK)
 
 
 def _decoding_asked(mode: str, **given) -> dict:

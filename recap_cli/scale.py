@@ -81,6 +81,7 @@ class Outcome:
     memories_merged: int = 0
     memories_final: bool = True
     restarts: int = 0
+    failed_before: list[int] = field(default_factory=list)  # lines --resume skipped: only errors of earlier runs
 
 
 def run(source: IO[bytes], job: Job, cluster: Cluster, sink: IO[bytes], earlier: records.Earlier | None,
@@ -101,8 +102,9 @@ def run(source: IO[bytes], job: Job, cluster: Cluster, sink: IO[bytes], earlier:
         if cap and asked is not None and asked > job.max_new_tokens:
             capped(n)
             cap = False
+    failed_before: list[int] = []
     if earlier is not None:
-        todo = pending(lines, earlier, job.base)
+        todo, failed_before = pending(lines, earlier, job.base)
         for _ in range(len(lines) - len(todo)):
             progress and progress()  # skipped lines count as done, as in a local run
         lines = todo
@@ -112,6 +114,7 @@ def run(source: IO[bytes], job: Job, cluster: Cluster, sink: IO[bytes], earlier:
         seed = memory.read_bytes() if warm and memory is not None and memory.is_file() else None
         collector = ray.remote(Memories).options(num_cpus=0).remote(seed, job.fault_after)
         outcome = _answer_all(lines, job, cluster, collector, sink, progress)
+        outcome.failed_before = failed_before
         outcome.restarts = ray.get(collector.restarts.remote())
         if memory is not None:
             outcome.memories_merged, outcome.memories_final = _save_merged(collector, memory,
@@ -156,11 +159,19 @@ def parse_capped(raw: bytes, line: int, job: Job) -> records.Request:
     return req
 
 
-def pending(lines: list[tuple[int, bytes]], earlier: records.Earlier, base: Path) -> list[tuple[int, bytes]]:
-    """The lines ``--resume`` still has to answer: those the output holds no record of, or only errors a rerun
-    may fix (as a local run goes by)."""
-    return [(n, raw) for n, raw in lines
-            if records.answer_key(records.parse_line(raw, n, base)) not in earlier.done]
+def pending(lines: list[tuple[int, bytes]], earlier: records.Earlier,
+            base: Path) -> tuple[list[tuple[int, bytes]], list[int]]:
+    """The lines ``--resume`` still has to answer (those the output holds no record of, or only errors a rerun
+    may fix, as a local run goes by), and the numbers of those it skips whose records are only errors, for the
+    run's end to say."""
+    todo, failed = [], []
+    for n, raw in lines:
+        key = records.answer_key(records.parse_line(raw, n, base))
+        if key not in earlier.done:
+            todo.append((n, raw))
+        elif key in earlier.failed:
+            failed.append(n)
+    return todo, failed
 
 
 def _connect(address: str) -> bool:

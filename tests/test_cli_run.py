@@ -216,6 +216,25 @@ def test_resume_answers_again_the_lines_that_ran_out_of_memory(model_dirs, workd
     assert invoke(args + ["--resume"]).exit_code == 0 and lines(out.read_text()) == after
 
 
+def test_resume_skips_an_error_a_rerun_would_repeat_and_says_so(model_dirs, workdir, tmp_path):
+    """A missing image fails the same way on every run: ``"retry": false``, skipped by --resume, which says on
+    stderr that the output still holds only errors for that line and exits 1 (as the run that wrote it did);
+    --summary counts it apart from this run's errors."""
+    path, out, summary = workdir / "gone.jsonl", workdir / "gone.out.jsonl", tmp_path / "summary.json"
+    path.write_bytes(jsonl({"id": "ok", "prompt": "Hello?"}, {"id": "gone", "image": "nope.png"}))
+    args = ["run", path, "--model", model_dirs["text"], "-o", out, "--max-new-tokens", 3]
+    assert invoke(args).exit_code == 1
+    first = out.read_bytes()
+    assert [r.get("retry") for r in lines(first.decode())] == [None, False]  # an answer has no retry
+    r = invoke(args + ["--resume", "--summary", summary])
+    assert out.read_bytes() == first  # nothing answered again, nothing appended
+    assert r.exit_code == 1, r.stderr
+    assert f"{out} holds only error records for 1 line of the input (2), from earlier runs" in unwrapped(r)
+    assert "--resume skipped it" in unwrapped(r)
+    s = orjson.loads(summary.read_bytes())
+    assert s["errors"] == 0 and s["errors_before"] == 1
+
+
 def test_resume_never_answers_again_a_line_that_has_an_answer(model_dirs, workdir):
     """However a line's records lie in the output, one answer among them is enough: only the line whose records
     are all errors a rerun may fix is answered again."""
@@ -232,6 +251,19 @@ def test_resume_never_answers_again_a_line_that_has_an_answer(model_dirs, workdi
     after = lines(out.read_text())
     assert len(after) == 6 and after[-1]["line"] == 3 and after[-1]["error"] is None
     assert invoke(args).exit_code == 0 and lines(out.read_text()) == after
+
+
+def test_an_error_record_of_an_older_recap_stays_skipped(model_dirs, workdir):
+    """Records written before errors said whether a rerun may fix them carry no ``retry``: even one that ran out
+    of memory is skipped, as it always was, but the run says the output still holds it and exits 1."""
+    path, out = workdir / "older.jsonl", workdir / "older.out.jsonl"
+    path.write_bytes(jsonl(*prompts(2)))
+    older = jsonl({"id": "q0", "line": 1, "answer": None, "method": "recap", "model": "m", "error": OOM})
+    out.write_bytes(older)
+    r = invoke(["run", path, "--model", model_dirs["text"], "-o", out, "--max-new-tokens", 3, "--resume"])
+    assert r.exit_code == 1, r.stderr
+    assert [x["line"] for x in lines(out.read_text())] == [1, 2] and out.read_bytes().startswith(older)
+    assert f"{out} holds only error records for 1 line of the input (1), from earlier runs" in unwrapped(r)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -481,8 +513,8 @@ def test_an_unexpected_failure_at_batch_1_fails_its_record_not_the_run(get_adapt
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_recap_run_keeps_the_turns_answered_before_one_that_fails(short_model, workdir, batch):
-    """Through the command line: the record keeps turn 1's answer and names turn 2; the run exits 1, and
-    ``--resume`` counts the record as done, as it does every error record."""
+    """Through the command line: the record keeps turn 1's answer and names turn 2; the run exits 1, and so does
+    ``--resume``, which skips the line (no rerun fixes it): the output still lacks its answer."""
     path, out = workdir / f"turns{batch}.jsonl", workdir / f"turns{batch}.out.jsonl"
     path.write_bytes(jsonl({"id": "alone", "prompt": "Hi."},
                            {"id": "grows", "messages": [{"role": "user", "content": t} for t in ("Hi.", LONG)]}))
@@ -494,4 +526,4 @@ def test_recap_run_keeps_the_turns_answered_before_one_that_fails(short_model, w
     assert grows["new_tokens"] == alone["new_tokens"] and grows["turns"] == 1 and grows["answer"] is None
     assert grows["retry"] is False  # the prompt outgrows the model: no rerun fixes that
     r = invoke(args + ["--resume"])
-    assert r.exit_code == 0 and len(lines(out.read_text())) == 2  # nothing left to answer
+    assert r.exit_code == 1 and len(lines(out.read_text())) == 2  # nothing left to answer

@@ -88,7 +88,7 @@ def test_two_workers_write_what_a_local_run_writes_in_order(ray_local, inputs, l
 
 def test_resume_from_stdin_answers_only_what_the_output_lacks(ray_local, inputs, local, tmp_path, monkeypatch):
     """As a local run: line 1 ran out of memory (a rerun may fix that) and is answered again, after its error
-    record; lines 3 and 4 failed for good (bad JSON, a missing image) and are skipped."""
+    record; lines 3 and 4 failed for good (bad JSON, a missing image), are skipped, and said to be."""
     out = tmp_path / "out.jsonl"
     oom = {**{k: local[0][k] for k in ("id", "line", "method", "model")}, "answer": None,
            "error": "OutOfMemoryError: CUDA out of memory", "retry": True}
@@ -100,6 +100,8 @@ def test_resume_from_stdin_answers_only_what_the_output_lacks(ray_local, inputs,
     assert result.stdout == ""
     assert same(lines(out.read_text())) == same([oom, *local[1:4], local[0], *local[4:]])
     assert f"{len(local) - 3} items" in result.stderr
+    said = " ".join(result.stderr.split())
+    assert f"{out} holds only error records for 2 lines of the input (3, 4), from earlier runs" in said
 
 
 def test_a_worker_killed_mid_run_loses_and_duplicates_nothing(ray_local, inputs, local, tmp_path, monkeypatch):
