@@ -18,6 +18,9 @@ gives ms a token over all requests and the mean of per-request speedups. ``--ste
 step costs, by tree size (SmolLM2-135M on 2 CPU cores: ``1,2,4,8,16,32,64:84,82,95,109,124,158,248``).
 ``--methods recap,suffix,pld`` prices the other methods' runs alike (each in a process of its own, its drafting
 at the same 20 µs a node) and tabulates recap's mean speedup over each: the issue's ratios, without a clock.
+``--orders N`` runs each side over N orders of each file's requests (as given, then shuffled by seeds 1, 2, ...)
+and prices it by the mean over orders: what a stream's first requests teach it shapes every later tree, and one
+order's mean of per-request speedups moves by a tenth from one order to another (docs/benchmarks.md).
 
 Sizing does not take the chances as they are: a request's trust (recap_cli/drafters/recap.py ``Trust``) scales
 them by how its trees have kept their promises so far. Besides the chances, the report gives what sizing believed
@@ -29,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
+import statistics
 import subprocess
 import sys
 from collections import defaultdict
@@ -75,7 +80,7 @@ def priced(forwards: list[tuple[bool, int]], turns: int, new_tokens: int, cost) 
 
 def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, budget: str,
             costs: str = "measured", frozen: tuple[tuple[int, ...], tuple[float, ...]] | None = None,
-            method: str = "recap") -> dict:
+            method: str = "recap", order: int = 0) -> dict:
     import recap_cli.drafters.recap as recap_module
     from recap_cli.batch import answer_with_tokens
     from recap_cli.decoding.tree import Source
@@ -151,7 +156,7 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
     spent: list[tuple[float, float, int]] = []  # per request: the method's ms, ar's, tokens
     for path in inputs:
         session.reset_memory()
-        for req in read_requests([path], limit):
+        for req in ordered(read_requests([path], limit), order):
             forwards.clear()
             record, _ = answer_with_tokens(session, req, model, max_new_tokens)
             if costs == "fixed":  # priced only where sized at frozen costs
@@ -178,6 +183,15 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
             "path_nodes": path_total, **(_prices(spent) if spent else {})}
 
 
+def ordered(requests: list, order: int) -> list:
+    """The stream's requests in order number ``order``: 0 as the file gives them, else shuffled by that seed.
+    What a stream learns, and so every later tree, depends on which requests came first."""
+    if order:
+        requests = requests[:]
+        random.Random(order).shuffle(requests)
+    return requests
+
+
 def _prices(spent: list[tuple[float, float, int]]) -> dict:
     return {"ms_per_token": sum(ms for ms, _, _ in spent) / sum(n for _, _, n in spent),
             "mean_speedup": sum(ar / ms for ms, ar, _ in spent) / len(spent),
@@ -202,6 +216,21 @@ def logged_prefill(prefill, forwards: list[tuple[bool, int]]):
     return run
 
 
+def over_orders(runs: list[dict]) -> dict:
+    """One side's runs over several orders of its requests: the first order's tables, and its prices as the mean
+    over orders, each order's kept in ``orders``. A stream's later trees depend on what its first requests taught
+    it: one order's mean of per-request speedups moved by a tenth between orders of the same requests (SmolLM2's
+    prompts, docs/benchmarks.md), more than most drafting changes move it."""
+    out = dict(runs[0])
+    if len(runs) > 1 and "ms_per_token" in out:
+        out["orders"] = [{"ms_per_token": r["ms_per_token"], "mean_speedup": r["mean_speedup"],
+                          "per_request_speedup": r["per_request_speedup"]} for r in runs]
+        for key in ("ms_per_token", "mean_speedup"):
+            out[key] = statistics.fmean(r[key] for r in runs)
+        del out["per_request_speedup"]  # by request of the first order only: the orders' lists have them all
+    return out
+
+
 def show(label: str, out: dict) -> None:
     graded = bool(out["conditional"])  # False: a method without recap's chances, its steps and price alone
     print(f"== {label}: {out['steps']} steps, {out['tokens_per_step']:.3f} tokens/step at {out['nodes_per_step']:.1f} "
@@ -211,6 +240,9 @@ def show(label: str, out: dict) -> None:
     if "ms_per_token" in out:
         print(f"priced at the frozen costs: {out['ms_per_token']:.3f} ms a token, mean of per-request speedups over "
               f"`ar` {out['mean_speedup']:.3f}")
+        if "orders" in out:  # the tables above and below are the first order's
+            print(f"  the mean over {len(out['orders'])} orders of the requests; by order: " + ", ".join(
+                f"{o['ms_per_token']:.3f} / {o['mean_speedup']:.3f}" for o in out["orders"]))
     if not graded:
         return
     print(f"{'source':8s} {'chance':8s} {'tested':>7s} {'predicted':>9s} {'observed':>9s}")
@@ -241,6 +273,10 @@ def main() -> None:
     ap.add_argument("--before", default=None, help="git commit whose recap_cli to measure too")
     ap.add_argument("--methods", default="recap", help="with --costs fixed: other methods priced alike beside recap "
                     "(comma-separated, e.g. recap,suffix,pld: the goal's ratios on the proxy); chances are recap's")
+    ap.add_argument("--orders", type=int, default=1, help="with --costs fixed: run each side over this many orders "
+                    "of each file's requests (the first as given, the others shuffled by seeds 1, 2, ...) and price "
+                    "it by the mean over orders; the table gives each order's ratio too")
+    ap.add_argument("--order", type=int, default=0, help=argparse.SUPPRESS)  # --inner: which order
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -248,6 +284,8 @@ def main() -> None:
     if args.step_ms and args.costs != "fixed":
         ap.error("--step-ms freezes the step costs: it goes with --costs fixed")
     methods = args.methods.split(",")
+    if args.orders < 1 or args.orders > 1 and args.costs != "fixed":
+        ap.error("--orders is a number >= 1, and more than one goes with --costs fixed (it prices each order)")
     if methods != ["recap"] and args.costs != "fixed":
         ap.error("--methods prices methods at frozen step costs: it goes with --costs fixed")
     try:
@@ -258,7 +296,7 @@ def main() -> None:
         ap.error(str(exc))
     if args.inner:
         print(orjson.dumps(measure(args.model, args.inputs, args.limit, args.max_new_tokens, args.budget,
-                                   args.costs, frozen, methods[0])).decode())
+                                   args.costs, frozen, methods[0], args.order)).decode())
         return
     report = {}
     sides = {"after": (ROOT, "recap")}
@@ -273,16 +311,24 @@ def main() -> None:
                "--max-new-tokens", str(args.max_new_tokens), "--budget", args.budget, "--costs", args.costs,
                "--methods", method, "--inputs", *map(str, args.inputs),
                *(["--step-ms", args.step_ms] if args.step_ms else [])]
-        out = subprocess.run(cmd, env={**os.environ, "RECAP_CODE": str(code)}, check=True, capture_output=True)
-        report[side] = orjson.loads(out.stdout.splitlines()[-1])
+        runs = []
+        for order in range(args.orders):
+            out = subprocess.run([*cmd, "--order", str(order)], env={**os.environ, "RECAP_CODE": str(code)},
+                                 check=True, capture_output=True)
+            runs.append(orjson.loads(out.stdout.splitlines()[-1]))
+        report[side] = over_orders(runs)
         show(f"{side} ({args.before if side == 'before' else 'this tree'})" if method == "recap" else method,
              report[side])
     if len(sides) > 1 and "ms_per_token" in report["after"]:
         w = max(map(len, report))
-        print(f"{'side':{w}s} {'ms a token':>10s} {'mean speedup':>12s} {'recap / it (mean)':>17s}")
+        print(f"{'side':{w}s} {'ms a token':>10s} {'mean speedup':>12s} {'recap / it (mean)':>17s}"
+              + ("  recap / it, order by order" if args.orders > 1 else ""))
         for side, out in report.items():
             print(f"{side:{w}s} {out['ms_per_token']:10.3f} {out['mean_speedup']:12.3f} "
-                  f"{report['after']['mean_speedup'] / out['mean_speedup']:17.3f}")
+                  f"{report['after']['mean_speedup'] / out['mean_speedup']:17.3f}"
+                  + ("  " + " ".join(f"{a['mean_speedup'] / b['mean_speedup']:.3f}"
+                                     for a, b in zip(report["after"]["orders"], out["orders"]))
+                     if args.orders > 1 else ""))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_bytes(orjson.dumps({"model": args.model, "inputs": [str(p) for p in args.inputs],
