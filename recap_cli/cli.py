@@ -8,6 +8,7 @@ import secrets
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -45,6 +46,8 @@ EXIT_OK, EXIT_FAILED_RECORDS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 # 128 + the signal number, what a shell reports for a process that signal ended: `timeout`, systemd and
 # `set -o pipefail` then read a SIGTERM or a closed stdout (SIGPIPE) as usual, not as success or failed records.
 EXIT_CLOSED_STDOUT, EXIT_TERMINATED = 141, 143
+# recap's own failure part way (a bug outside any one request): 1, as the uncaught exception it was exited with.
+EXIT_BROKEN = EXIT_FAILED_RECORDS
 
 
 def fail(message: str) -> None:
@@ -262,7 +265,7 @@ def run(
                     yield req
 
             t0 = time.perf_counter()
-            unwritten = None  # why the output stopped taking records (a full disk), if it did
+            failure = None  # why the run stopped part way (a full disk, recap's own failure), if it did
             try:
                 for record, _ in answer_all(session, todo(), model, max_new_tokens):
                     with safety.whole_lines():
@@ -277,10 +280,13 @@ def run(
             except _OutputFailed as exc:  # a full disk: stop as an interrupt does, memory saved, summary printed
                 if output is None:  # what stdout's buffer still holds must not fail again at exit
                     safety.silence_stdout()
-                unwritten = (f"{'-o ' + str(output) if output else 'stdout'}: cannot write more records "
-                             f"({exc.reason}) after {totals.items} records"
-                             + ("; free space, then --resume picks up after the last whole record" if output else ""))
+                failure = (f"{'-o ' + str(output) if output else 'stdout'}: cannot write more records "
+                           f"({exc.reason}) after {totals.items} records"
+                           + ("; free space, then --resume picks up after the last whole record" if output else ""))
                 stop = EXIT_USAGE
+            except Exception as exc:  # noqa: BLE001 - recap's own failure outside any one request (a bug): the
+                failure = _broken(exc, totals.items, output)  # memory and summary are kept all the same
+                stop = EXIT_BROKEN
         kept = _save_memory(session, memory) if memory is not None else False
         if kept:
             info(f"memory saved to {memory}")
@@ -290,8 +296,8 @@ def run(
                           {**figures, "decoding": {**settings.describe(), "seed": settings.seed},
                            **({"errors_before": len(failed_before)} if resume else {})})
         _say_failed_before(failed_before, output)
-        if unwritten:
-            err.print(f"[bold red]error:[/] {escape(unwritten)}", highlight=False)
+        if failure:
+            err.print(f"[bold red]error:[/] {escape(failure)}", highlight=False)
     # A file the run was asked to write and could not (said above) is exit 2, as an unwritable path found before.
     stop = stop or _stopped_by(held) or (EXIT_USAGE if kept is None or not written else None)
     if stop is not None:
@@ -348,6 +354,15 @@ def _reason(exc: OSError) -> str:
 def _cannot_write(flag: str, path: Path, exc: OSError) -> str:
     """The sentence for a file the run was asked to write and could not (markup-safe: a path may hold brackets)."""
     return f"{flag} {escape(str(path))}: cannot write it ({escape(_reason(exc))})"
+
+
+def _broken(exc: Exception, written: int, output: Path | None) -> str:
+    """The one line for a failure of recap's own that ended a run part way: what failed and where it was raised
+    (enough for a bug report, where a traceback would bury the lines that say what was kept), and what was kept."""
+    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    at = f" (at {Path(where.filename).name}:{where.lineno})" if where else ""
+    return (f"recap failed after {written} records: {type(exc).__name__}: {records.first_line(exc)}{at}"
+            + ("; the records written are whole, and --resume picks up after them" if output else ""))
 
 
 def _write_or_raise(sink: IO[bytes], record: dict) -> None:
@@ -803,7 +818,7 @@ def _progress(total: int | None) -> Progress:
 
 
 STOPS = {EXIT_INTERRUPTED: "interrupted", EXIT_TERMINATED: "terminated", EXIT_CLOSED_STDOUT: "stdout closed",
-         EXIT_USAGE: "output failed"}
+         EXIT_USAGE: "output failed", EXIT_BROKEN: "recap failed"}
 
 
 def _report(totals: Totals, summary: Path | None, stop: int | None, extra: dict | None = None) -> bool:

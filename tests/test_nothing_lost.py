@@ -1,5 +1,5 @@
 """Nothing lost at any moment: a resume's cut of a torn tail, a signal during the final memory save, a memory
-file reached through a symlink."""
+file reached through a symlink, a failure of recap's own part way through a run."""
 
 from __future__ import annotations
 
@@ -143,3 +143,33 @@ def test_memory_through_a_symlink_updates_its_target_and_the_link_stays(get_adap
     Session(get_adapter("text"), "recap").load_memory(target)  # the target holds the new memory
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mem.pt", "store"]
     assert sorted(p.name for p in target.parent.iterdir()) == ["mem.pt"]  # no temp file beside the target
+
+
+def test_a_failure_of_recaps_own_keeps_the_records_memory_and_summary(model_dirs, tmp_path, monkeypatch):
+    """An exception out of the run loop itself (a bug, not one request's failure) ended the run with a traceback
+    that skipped the memory save and the summary; now they are kept and one line names the failure (exit 1)."""
+    from recap_cli import batch
+
+    from .test_cli_run import invoke, lines
+    from .test_safety import said
+
+    src, out, mem, summary = (tmp_path / n for n in ("in.jsonl", "out.jsonl", "mem.pt", "summary.json"))
+    src.write_bytes(jsonl(*[{"id": i, "prompt": f"Question {i}?"} for i in range(3)]))
+    real = batch.answer_all
+
+    def broken_after_one(*args, **kw):
+        answers = real(*args, **kw)
+        yield next(answers)
+        answers.close()
+        raise RuntimeError("the loop broke")
+
+    monkeypatch.setattr(batch, "answer_all", broken_after_one)
+    r = invoke(["run", src, "--model", model_dirs["text"], "-o", out, "--memory", mem, "--summary", summary,
+                "--max-new-tokens", 3, "--batch", 1])
+    assert r.exit_code == 1, r.stderr
+    assert "RuntimeError: the loop broke" in said(r) and "after 1 records" in said(r), r.stderr
+    assert "Traceback" not in said(r) and "--resume" in said(r)
+    assert [x["id"] for x in lines(out.read_text())] == [0]  # the record written is whole
+    assert mem.is_file() and "memory saved" in said(r)
+    s = orjson.loads(summary.read_bytes())
+    assert s["items"] == 1 and s["interrupted"] is True
