@@ -35,9 +35,12 @@ class Totals:
     prefix_hit: int = 0
 
     def add(self, record: dict) -> None:
+        """A failed conversation's record is an error, yet the turns it answered before failing were decoded: their
+        tokens, time and steps count (a rate over the work done), though not as an answered request."""
         self.items += 1
         if record["error"] is not None:
             self.errors += 1
+        if "new_tokens" not in record:  # failed before any turn was answered: no work to count
             return
         self.new_tokens += record["new_tokens"]
         self.seconds += (record["prefill_ms"] + record["decode_ms"]) / 1000
@@ -357,6 +360,16 @@ class InFlight:
 
 def result_record(req: Request, method: str, model: str, answer: str, gens: list[Generation],
                   settings: Settings = GREEDY) -> dict:
+    record = {"id": req.id, "line": req.line, "answer": answer, "method": method, "model": model,
+              **turn_figures(gens, settings), "error": None}
+    if req.dataset is not None:
+        record["dataset"] = req.dataset
+    return record
+
+
+def turn_figures(gens: list[Generation], settings: Settings = GREEDY) -> dict:
+    """What a request's answered turns cost and how they were drafted: a result record's, and a failed
+    conversation's for the turns before its failure (the summary counts them both)."""
     tokens = sum(len(g.tokens) for g in gens)
     prefill = sum(g.prefill_s for g in gens)
     decode = sum(g.decode_s for g in gens)
@@ -364,9 +377,8 @@ def result_record(req: Request, method: str, model: str, answer: str, gens: list
     early = sum(g.prefill_tokens for g in gens)
     hist: Counter = sum((g.accepted_hist for g in gens), Counter())
     sources: Counter = sum((g.by_source for g in gens), Counter())
-    record = {
-        "id": req.id, "line": req.line, "answer": answer, "method": method, "model": model, "new_tokens": tokens,
-        "prefill_ms": round(1000 * prefill, 3), "decode_ms": round(1000 * decode, 3),
+    return {
+        "new_tokens": tokens, "prefill_ms": round(1000 * prefill, 3), "decode_ms": round(1000 * decode, 3),
         "tokens_per_s": round(tokens / (prefill + decode), 3) if prefill + decode else 0.0,
         "steps": steps, "turns": len(gens),
         "prefill_tokens": early,  # the prefills' tokens: each turn's first, and drafts its prefill verified
@@ -379,11 +391,7 @@ def result_record(req: Request, method: str, model: str, answer: str, gens: list
         "decoding": settings.describe(),  # how its tokens were chosen (and the seed of sampled ones)
         "prompt_tokens": sum(g.prompt_tokens for g in gens),
         "prefix_hit": sum(g.prefix_hit for g in gens),  # of those, taken from the prefix cache
-        "error": None,
     }
-    if req.dataset is not None:
-        record["dataset"] = req.dataset
-    return record
 
 
 def error_record(req: Request, method: str, model: str, error: str, retry: bool) -> dict:
@@ -399,12 +407,12 @@ def error_record(req: Request, method: str, model: str, error: str, retry: bool)
 def turn_error_record(req: Request, method: str, model: str, error: str, answers: list[str],
                       gens: list[Generation], settings: Settings = GREEDY, *, retry: bool) -> dict:
     """The error record of a turn that failed. In a conversation the error names the turn, and the turns answered
-    before it stay (their ``answers``, how many, their new tokens and how they were chosen): a later turn that
-    outgrows the context must not cost the answers already decoded. ``answer`` stays None: the last turn has none."""
+    before it stay (their ``answers`` and ``turn_figures``: how many, their tokens, time and steps, how they were
+    chosen): a later turn that outgrows the context must not cost the answers already decoded, nor the summary
+    their work. ``answer`` stays None: the last turn has none."""
     if len(req.turns) == 1:
         return error_record(req, method, model, error, retry)
     record = error_record(req, method, model, f"turn {len(answers) + 1} of {len(req.turns)}: {error}", retry)
     if answers:
-        record.update(answers=answers, turns=len(gens), new_tokens=sum(len(g.tokens) for g in gens),
-                      decoding=settings.describe())
+        record.update(answers=answers, **turn_figures(gens, settings))
     return record

@@ -459,9 +459,15 @@ def test_a_later_turn_that_outgrows_the_context_keeps_the_answers_before_it(get_
             assert grows["turns"] == 1 and grows["new_tokens"] == len(alone_tokens[0]) == alone["new_tokens"]
             assert grows["decoding"] == alone["decoding"]
             assert first["error"].startswith("turn 1 of 2: the prompt is") and "answers" not in first
-            want = want or [grows, first]
-            assert [grows, first] == want, (method, batch)
-        assert [answer(Session(adapter, method), r, "m", 5) for r in conversations()[1::2]] == want, method
+            want = want or [kept(grows), kept(first)]
+            assert [kept(grows), kept(first)] == want, (method, batch)
+        assert [kept(answer(Session(adapter, method), r, "m", 5)) for r in conversations()[1::2]] == want, method
+
+
+def kept(record: dict) -> dict:
+    """What a failed conversation's record keeps whatever the batch: its times, steps and drafts may differ."""
+    return {k: record.get(k) for k in ("id", "line", "answer", "method", "model", "error", "retry", "answers",
+                                       "turns", "new_tokens", "decoding")}
 
 
 def test_a_runtime_failure_at_a_later_turn_keeps_the_turns_before_it(get_adapter, monkeypatch):

@@ -1,5 +1,5 @@
 """The end-of-run summary counts what was answered: failed lines are no requests served, and a run that answered
-nothing has no rates to print."""
+nothing has no rates to print; the turns a failed conversation answered before its failure were work all the same."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import orjson
 
 from recap_cli.batch import Totals, run_figures
 
-from .test_cli_run import invoke, jsonl
+from .test_cli_run import LONG, invoke, jsonl, lines
 from .test_safety import said, workdir  # noqa: F401 - a fixture
 
 
@@ -42,3 +42,22 @@ def test_a_run_that_answers_nothing_prints_no_rates(model_dirs, workdir, tmp_pat
     assert failed.exit_code == 1 and said(failed) == "2 items, 2 errors: nothing was answered", failed.stderr
     assert "requests/hour" not in said(failed) and "mean accepted" not in said(failed)
     assert orjson.loads(summary.read_bytes())["requests_per_hour"] == 0
+
+
+def test_a_failed_conversations_earlier_turns_count_in_the_summary(short_model, workdir, tmp_path):
+    """Turn 2 of 2 outgrows the model: the record keeps turn 1's answer and its tokens, which the summary left
+    out (their time too: the record had none to give). Now the record carries turn 1's figures, and the summary
+    counts its tokens, time and steps, though not as an answered request."""
+    src, summary = workdir / "turns.jsonl", tmp_path / "summary.json"
+    src.write_bytes(jsonl({"id": "alone", "prompt": "Hi."},
+                          {"id": "grows", "messages": [{"role": "user", "content": t} for t in ("Hi.", LONG)]}))
+    r = invoke(["run", src, "--model", short_model, "--max-new-tokens", 5, "--batch", 1, "--summary", summary])
+    assert r.exit_code == 1, r.stderr
+    alone, grows = lines(r.stdout)
+    assert grows["error"].startswith("turn 2 of 2") and grows["new_tokens"] == alone["new_tokens"] > 0
+    s = orjson.loads(summary.read_bytes())
+    assert s["answered"] == 1 and s["errors"] == 1
+    assert s["new_tokens"] == alone["new_tokens"] + grows["new_tokens"]
+    assert grows["steps"] > 0 and grows["decode_ms"] > 0 and grows["prefill_ms"] > 0
+    seconds = sum(x["prefill_ms"] + x["decode_ms"] for x in (alone, grows)) / 1000
+    assert abs(s["tokens_per_s"] - s["new_tokens"] / seconds) < 1e-6 * s["tokens_per_s"]
