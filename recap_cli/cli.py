@@ -203,7 +203,8 @@ def run(
     if ray is None and (workers, gpus_per_worker, cpus_per_worker) != (1, 0.0, 1.0):
         fail("--workers, --gpus-per-worker and --cpus-per-worker size a --ray run; without --ray one process "
              "answers (add --ray local to run workers on this machine)")
-    saved = _memory_file(memory, method, memory_cold_on_error)  # a damaged file stops the run before the model loads
+    saved = _memory_file(memory, method, memory_cold_on_error, model)  # a damaged file stops the run before the
+    # model loads (and before Ray starts), as does one saved for another model where its config is on this machine
     decoding = _decoding_asked(generation_config, temperature=temperature, top_p=top_p, top_k=top_k,
                                repetition_penalty=repetition_penalty, seed=seed)
     knobs = {"prefix_cache": "auto" if prefix_cache is None else prefix_cache} | knobs  # a Session argument
@@ -385,12 +386,14 @@ def _save_memory(session: Session, memory: Path) -> bool | None:
         return None
 
 
-def _memory_file(memory: Path | None, method: str, cold_on_error: bool) -> dict | None:
-    """The --memory file read and checked as far as no model is needed; None: start cold (no file yet, a method
-    that keeps nothing across requests, or a damaged file with --memory-cold-on-error)."""
+def _memory_file(memory: Path | None, method: str, cold_on_error: bool, model: str) -> dict | None:
+    """The --memory file read and checked as far as no loaded model is needed (the model's config, where this
+    machine has it, says which model it is); None: start cold (no file yet, a method that keeps nothing across
+    requests, or a damaged file or one of another model with --memory-cold-on-error)."""
     if memory is None:
         return None
-    from .session import MemoryFileError, keeps_memory, read_memory
+    from .models import architecture
+    from .session import MemoryFileError, check_model, fingerprint, keeps_memory, read_memory
 
     if not keeps_memory(method):  # said, not silently ignored: a user may count on a warm next run
         info(f"--memory is not used: {method} keeps no drafter memory to load or save")
@@ -398,7 +401,10 @@ def _memory_file(memory: Path | None, method: str, cold_on_error: bool) -> dict 
     if not memory.is_file():
         return None
     try:
-        return read_memory(memory, method)
+        saved = read_memory(memory, method)
+        if (known := architecture(model)) is not None:
+            check_model(saved, memory, fingerprint(*known))
+        return saved
     except MemoryFileError as exc:
         _memory_failed(exc, cold_on_error)
     return None

@@ -96,6 +96,25 @@ def locate(name: str, offline: bool = False, progress: bool = True,
         return download(source)
 
 
+def architecture(name: str) -> tuple[str, int] | None:
+    """``name``'s model type and vocabulary size (what a --memory file is saved for, ``session.fingerprint``) from
+    its config.json alone, where this machine has it (a local directory, a hub model in the cache): a memory of
+    another model then stops a run before any weights load or a Ray cluster starts. None where it has not (a hub
+    model not downloaded here: the loaded model, or each Ray worker's, is checked then) or the config cannot be read
+    (loading says why). A model built from the config has as many output rows as its text config's vocabulary."""
+    from transformers import AutoConfig
+
+    try:
+        source = resolve(name)
+        path = source if Path(source).is_dir() else cached(source)
+        if path is None:
+            return None
+        config = AutoConfig.from_pretrained(path)
+        return config.model_type, int(config.get_text_config().vocab_size)
+    except Exception:  # noqa: BLE001 - a model that cannot be found or read is the load's to report
+        return None
+
+
 def download(repo: str) -> str:
     """Fetch ``repo`` into the standard cache (resuming any partial files) and return its snapshot directory."""
     from huggingface_hub import snapshot_download

@@ -167,16 +167,27 @@ class Session:
         if type(self.drafter).state is Drafter.state:  # a method that keeps nothing across requests
             return
         saved = read_memory(path, self.method) if saved is None else saved
-        if saved.get("model") != self._fingerprint():
-            raise MemoryFileError(f"{path} was saved for model {saved.get('model')}, not {self._fingerprint()}")
+        check_model(saved, path, self._fingerprint())
         try:
             self.drafter.load_state(saved.get("state"))
         except ValueError as exc:
             raise MemoryFileError(f"{path} is damaged: {exc}") from exc
 
     def _fingerprint(self) -> str:
-        """Memories hold token ids: they only mean something to a model with the same architecture and vocabulary."""
-        return f"{self.adapter.model.config.model_type}/{self.adapter.vocab_size}"
+        return fingerprint(self.adapter.model.config.model_type, self.adapter.vocab_size)
+
+
+def fingerprint(model_type: str, vocab_size: int) -> str:
+    """The model a memory is saved for: it holds token ids, which only mean something to a model with the same
+    architecture and vocabulary."""
+    return f"{model_type}/{vocab_size}"
+
+
+def check_model(saved: dict, path: Path, model: str) -> None:
+    """MemoryFileError unless ``saved`` (``read_memory``'s) was saved for ``model`` (its ``fingerprint``): the same
+    sentence whether the loaded model or its config (before it loads) tells."""
+    if saved.get("model") != model:
+        raise MemoryFileError(f"{path} was saved for model {saved.get('model')}, not {model}")
 
 
 def read_memory(path: Path, method: str) -> dict:
