@@ -153,15 +153,16 @@ class CellChances(Counts):
 
     A fine cell separates what matters (a 12-token match from a 2-token one) but starts empty; its parent has
     data sooner. Both are linear in the guess g, so drafting reads ``a + b * guess`` per cell from
-    ``coefficients``, rebuilt every ``refresh`` records (estimates move slowly: reading stale ones for a few
-    steps costs nothing, rebuilding them every step would cost more than drafting). A rebuild redoes only the
+    ``coefficients``, rebuilt once ``refresh`` records came in (8: about every step that accepted a drafted node,
+    so a request unlike the run's average, an answer that copies its prompt, moves its own cells within its
+    answer; at 256 the cells moved every ~14 steps, after most answers had ended). A rebuild redoes only the
     parents that were recorded in since the last one: a cell's coefficients depend on its own counts and its
     parent's alone. The parents' counts are kept as sums of their cells' (integers: exact in any order)."""
 
     what = "learned chances"
 
     def __init__(self, parents: list[int], weight: float = 0.5, k_cell: float = 4.0, k_parent: float = 4.0,
-                 refresh: int = 256):
+                 refresh: int = 8):
         self.parents, self.weight, self.k_cell, self.k_parent = parents, weight, k_cell, k_parent
         self.refresh = refresh
         self._groups = max(parents) + 1
