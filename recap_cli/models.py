@@ -105,11 +105,7 @@ def architecture(name: str) -> tuple[str, int] | None:
     from transformers import AutoConfig
 
     try:
-        source = resolve(name)
-        path = source if Path(source).is_dir() else cached(source)
-        if path is None:
-            return None
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(locate(name, offline=True))  # never downloads: raises where not here
         return config.model_type, int(config.get_text_config().vocab_size)
     except Exception:  # noqa: BLE001 - a model that cannot be found or read is the load's to report
         return None
