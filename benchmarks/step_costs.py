@@ -22,7 +22,8 @@ from pathlib import Path
 import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = {"MKL default": "", "MKL_CBWR=AUTO (recap)": "AUTO"}  # an empty value leaves MKL in its default mode
+RECAP_MODE = "MKL_CBWR=AUTO (recap)"  # the mode recap_cli runs in
+MODES = {"MKL default": "", RECAP_MODE: "AUTO"}  # an empty value leaves MKL in its default mode
 PROMPT = "the cat sat on the mat and looked at the dog "
 
 
@@ -88,6 +89,9 @@ def main() -> None:
         cells = " | ".join(f"{1000 * s:.1f} ({s / steps[sizes[0]]:.2f})" for s in steps.values())
         pre = ", ".join(f"{k} tokens {1000 * s:.0f}" for k, s in prefills.items())
         print(f"| {mode} | {cells} | {pre} |")
+    recap = results[RECAP_MODE]["steps_s"]
+    print("to price benchmarks/calibration.py --costs fixed at these costs: --step-ms "
+          + ",".join(map(str, recap)) + ":" + ",".join(f"{1000 * s:.1f}" for s in recap.values()))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_bytes(orjson.dumps({"model": args.model, "rounds": args.rounds, "results": results},
