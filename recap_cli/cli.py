@@ -675,14 +675,18 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
     if outcome.memories_merged:
         stale = "" if outcome.memories_final else " (some workers' last requests missing: they did not stop cleanly)"
         err.print(f"memories of {outcome.memories_merged} workers merged into {memory}{stale}")
-    written = _report(outcome.totals, summary, EXIT_INTERRUPTED if outcome.interrupted else None,
+    stop = EXIT_INTERRUPTED if outcome.interrupted else EXIT_BROKEN if outcome.failure else None
+    written = _report(outcome.totals, summary, stop,
                       {**scale.extra_summary(outcome),
                        **({"errors_before": len(outcome.failed_before)} if earlier is not None else {})})
     for worker, line in scale.worker_lines(outcome):
         err.print(f"  worker {worker}: {line}", highlight=False)
     _say_failed_before(outcome.failed_before, output)
-    if outcome.interrupted:
-        raise typer.Exit(EXIT_INTERRUPTED)
+    if outcome.failure:  # as recap's own failure part way in a local run (``_broken``): what was kept
+        kept = "; the records written are whole, and --resume picks up after them" if output else ""
+        err.print(f"[bold red]error:[/] {escape(outcome.failure + kept)}", highlight=False)
+    if stop is not None:
+        raise typer.Exit(stop)
     if not written:  # the summary file could not be written (said above): as a local run, exit 2
         raise typer.Exit(EXIT_USAGE)
     raise typer.Exit(EXIT_FAILED_RECORDS if outcome.totals.errors or outcome.failed_before else EXIT_OK)

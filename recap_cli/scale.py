@@ -82,6 +82,7 @@ class Outcome:
     memories_final: bool = True
     restarts: int = 0
     failed_before: list[int] = field(default_factory=list)  # lines --resume skipped: only errors of earlier runs
+    failure: str | None = None  # what ended the run part way on Ray's side (the records written stand)
 
 
 def run(source: IO[bytes], job: Job, cluster: Cluster, sink: IO[bytes], earlier: records.Earlier | None,
@@ -115,10 +116,13 @@ def run(source: IO[bytes], job: Job, cluster: Cluster, sink: IO[bytes], earlier:
         collector = ray.remote(Memories).options(num_cpus=0).remote(seed, job.fault_after)
         outcome = _answer_all(lines, job, cluster, collector, sink, progress)
         outcome.failed_before = failed_before
-        outcome.restarts = ray.get(collector.restarts.remote())
-        if memory is not None:
-            outcome.memories_merged, outcome.memories_final = _save_merged(collector, memory,
-                                                                           wait=not outcome.interrupted)
+        try:
+            outcome.restarts = ray.get(collector.restarts.remote())
+            if memory is not None:
+                stopped = outcome.interrupted or outcome.failure is not None
+                outcome.memories_merged, outcome.memories_final = _save_merged(collector, memory, wait=not stopped)
+        except RayError as exc:  # the cluster went away after the records: they stand, the memory is not merged
+            outcome.failure = outcome.failure or _ray_failed(exc, outcome.totals.items)
         return outcome
     finally:
         if collector is not None:
@@ -232,6 +236,8 @@ def _answer_all(lines, job: Job, cluster: Cluster, collector, sink: IO[bytes], p
                     progress()
         except KeyboardInterrupt:
             outcome.interrupted = True
+        except RayError as exc:  # not a worker's setup (``_rows``): the cluster failed part way
+            outcome.failure = _ray_failed(exc, len(written))
     outcome.wall_s = time.perf_counter() - t0
     return outcome
 
@@ -245,6 +251,11 @@ def _rows(ds):
         if setup is None:
             raise
         raise ScaleError(setup) from exc
+
+
+def _ray_failed(exc: BaseException, written: int) -> str:
+    """The one line for a Ray failure that ended a run part way (a node lost, the cluster shut down)."""
+    return f"Ray failed after {written} records: {type(exc).__name__}: {records.first_line(exc)}"
 
 
 def _setup_error(exc: BaseException) -> str | None:

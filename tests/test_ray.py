@@ -113,6 +113,29 @@ def test_a_worker_killed_mid_run_loses_and_duplicates_nothing(ray_local, inputs,
     assert orjson.loads(summary.read_bytes())["restarts"] == 1
 
 
+def test_a_cluster_failing_part_way_keeps_the_records_and_says_so(ray_local, inputs, local, tmp_path,
+                                                                  monkeypatch):
+    """A Ray error that is no worker's setup (a node lost, the cluster gone) ends the run as recap's own failure
+    does in a local run: one line, the records written stay whole, the summary is written, exit 1."""
+    rows = scale._rows
+
+    def failing(ds):
+        for n, row in enumerate(rows(ds)):
+            if n == 3:
+                raise ray.exceptions.RayError("the cluster went away")
+            yield row
+
+    monkeypatch.setattr(scale, "_rows", failing)
+    out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
+    result = ray_run(inputs, "-o", out, "--summary", summary)
+    assert result.exit_code == 1, result.stderr
+    said = " ".join(result.stderr.split())
+    assert "Ray failed after 3 records: RayError: the cluster went away" in said and "Traceback" not in said
+    assert "--resume picks up after them" in said
+    assert same(lines(out.read_text())) == same(local[:3])
+    assert orjson.loads(summary.read_bytes())["interrupted"] is True
+
+
 def test_a_model_no_worker_can_load_is_a_usage_error(ray_local, inputs, tmp_path):
     result = invoke(["run", inputs, "--model", tmp_path / "no" / "model", "--ray", "auto"])
     assert result.exit_code == 2
