@@ -8,7 +8,8 @@ import torch
 from recap_cli.decoding.cost import StepCost
 from recap_cli.drafters import PromptLookupDrafter, RecapDrafter, TokenRecyclingDrafter, make_drafter
 from recap_cli.drafters.memory import KeyedMemory, NgramIndex, TokenTable
-from recap_cli.drafters.recap import OPENING_LANE, SKIP_CONTEXT, Trust
+from recap_cli.drafters.calibration import match_bucket
+from recap_cli.drafters.recap import BUCKETS, OPENING_LANE, SKIP_CONTEXT, Trust
 from recap_cli.drafters.tr import LEVEL_SIZES, build_template
 from recap_cli.decoding.tree import Rows, Source, Tree, Verified
 
@@ -372,6 +373,12 @@ def test_a_continuation_longer_than_the_stream_depth_re_anchors():
     while (nxt := next((i for i in range(1, len(tree)) if tree.parents[i] == chain[-1]), None)) is not None:
         chain.append(nxt)
     assert [tree.tokens[i] for i in chain[1:]][:20] == passage[3:23]  # far deeper than 6
+    # Past the depth a node's candidates are classed with the longest matches (a passage being copied), not by
+    # the few tokens its path re-anchored on; before it, by the match as it grew.
+    buckets = [[(cell // 30) % BUCKETS for _, _, cell, _, _ in d._nodes[i][4] if cell >= 0] for i in chain]
+    deep = [b for i, b in zip(chain, buckets) if d._nodes[i][3] > 6 and b]
+    assert deep and all(b == [BUCKETS - 1] for b in deep)
+    assert buckets[0] == [match_bucket(3)] and buckets[1] == [match_bucket(4)]
 
 
 def test_step_cost_interpolates_follows_observations_and_buckets():

@@ -15,7 +15,8 @@ Two kinds of memory propose a node's children:
 - **The stream memory** (recap_cli/drafters/stream.py): exact matches of the context, up to 32 tokens long,
   anywhere in the text the stream has seen (this request's and earlier requests' prompts and answers), with how
   often each continuation followed. The longest match wins; a continuation drafted past the memory's depth
-  re-anchors on its own last 16 tokens, so a long copied span keeps its draft going. Where the model has just
+  re-anchors on its own last 16 tokens, so a long copied span keeps its draft going (its nodes are classed as a
+  passage being copied, the longest match: the path has matched the memory's whole depth). Where the model has just
   filled a slot as no earlier text did ("Bar C" where earlier answers said "Bar A", "Bar D"), the context's own
   match is that new token alone; what followed the slot's earlier fillings ("is the shortest") is drafted at the
   step's root as *skip* candidates, in a class of their own (``skip=False`` turns them off).
@@ -111,6 +112,12 @@ OPENING_LANE = 2
 Candidate = tuple[float, int, int, int, float]
 # Match length -> bucket (calibration.match_bucket), read once per expanded node.
 MATCH_BUCKETS = tuple(match_bucket(m) for m in range(64))
+# The match length a re-anchored path's nodes are classed at (the longest bucket). Classed at their re-anchored
+# match (16 tokens: the 13-19 bucket, where a rewrite's recurring phrases sit), a copy's chains past the memory's
+# depth were drafted at the chances of phrases that stop, 0.6-0.8; this way, on the proxy at two step-cost curves
+# (benchmarks/calibration.py --costs fixed --orders 3), ms a token fell on all six sets (docs/benchmarks.md,
+# twenty-first session).
+FAR = len(MATCH_BUCKETS) - 1
 # The floor of the openings' trust, below a request's (Trust.LOW): a stream whose openings keep failing drafts
 # almost none (an opening is one bet a request on how other answers began).
 OPENING_LOW = 0.05
@@ -195,7 +202,8 @@ class RecapDrafter(Drafter):
         self.chances = [1.0]  # the last tree's path chances, node by node (what calibration checks read)
         self.trust = Trust(decay=self.trust_decay)  # how this request's recent drafts fared against their chances
         # The last tree's nodes, in tree order: [key, stream position, match length, depth, candidates, placed, row
-        # cell], ``placed`` being (lane, lane chance) for the placed-node calibration (None at the root).
+        # cell, past the memory's depth], ``placed`` being (lane, lane chance) for the placed-node calibration (None
+        # at the root).
         self._nodes: list[list] = []
         self._here: set[int] | tuple = ()  # this request's segments in the stream memory (set by ``propose``)
         self._prompt_length = 0  # where this request's answer starts: a tree rooted there is its opening
@@ -623,8 +631,8 @@ class RecapDrafter(Drafter):
                           self.order1.rows if use1 else None)
         first = self._candidates(tail, spos, m, 0) if max_depth > 0 else []
         # Per node: [key, stream position, match length, depth, candidates, (lane, lane chance) if placed, its row
-        # cell (-1: not from the rows)]
-        nodes: list[list] = [[tail, spos, m, 0, first, None, -1]]
+        # cell (-1: not from the rows), whether its path outran the stream memory's depth (``_reanchor``)]
+        nodes: list[list] = [[tail, spos, m, 0, first, None, -1, False]]
         tokens, parents, chances = [context[-1]], [-1], [1.0]
         bound = self._bound()
         tree_s = self.stream.tree
@@ -647,7 +655,9 @@ class RecapDrafter(Drafter):
             neg, parent, rank = pop(frontier)
             node = nodes[parent]
             if rank == MIX:
-                cands = node[4] = self._candidates(node[0], node[1], node[2], 1)
+                # A path that outran the memory's depth has matched at least that long, whatever its re-anchored
+                # match says: it is classed with the longest matches (a passage being copied).
+                cands = node[4] = self._candidates(node[0], node[1], FAR if node[7] else node[2], 1)
                 if cands:
                     push(frontier, (-chances[parent] * cands[0][4], parent, 0))
                 continue
@@ -667,10 +677,12 @@ class RecapDrafter(Drafter):
             else:
                 child = tree_s.step(spos, token) if spos is not None else None
                 cm = node[2] + 1 if child is not None else 0
+            far = node[7] and child is not None
             if child is None and spos is not None and node[2] + 1 >= tree_s.depth or cm >= tree_s.depth:
                 # At the memory's depth nothing continues: match the path's own last tokens afresh.
                 child, cm = self._reanchor(context, tokens, parents, i, anchor)
-            nodes.append([(node[0] + (token,))[-3:], child, cm, d, (), (lane, chance), r_cell])
+                far = child is not None
+            nodes.append([(node[0] + (token,))[-3:], child, cm, d, (), (lane, chance), r_cell, far])
             if d < max_depth and token not in stops:
                 push(frontier, (neg * bound, i, MIX))
             if sizer is not None:
