@@ -374,7 +374,8 @@ def test_a_continuation_longer_than_the_stream_depth_re_anchors():
         chain.append(nxt)
     assert [tree.tokens[i] for i in chain[1:]][:20] == passage[3:23]  # far deeper than 6
     # Past the depth a node's candidates are classed with the longest matches (a passage being copied), not by
-    # the few tokens its path re-anchored on; before it, by the match as it grew.
+    # the few tokens its path re-anchored on; before it, by the match as it grew. (A stream cell is ((kind's offset
+    # + match bucket) * 15 + rank and share) * 2 + the rows' agreement: recap.py ``STREAM_CELLS``.)
     buckets = [[(cell // 30) % BUCKETS for _, _, cell, _, _ in d._nodes[i][4] if cell >= 0] for i in chain]
     deep = [b for i, b in zip(chain, buckets) if d._nodes[i][3] > 6 and b]
     assert deep and all(b == [BUCKETS - 1] for b in deep)
