@@ -362,8 +362,12 @@ def _broken(exc: Exception, written: int, output: Path | None) -> str:
     (enough for a bug report, where a traceback would bury the lines that say what was kept), and what was kept."""
     where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
     at = f" (at {Path(where.filename).name}:{where.lineno})" if where else ""
-    return (f"recap failed after {written} records: {type(exc).__name__}: {records.first_line(exc)}{at}"
-            + ("; the records written are whole, and --resume picks up after them" if output else ""))
+    return f"recap failed after {written} records: {type(exc).__name__}: {records.first_line(exc)}{at}" + _kept(output)
+
+
+def _kept(output: Path | None) -> str:
+    """What a run that failed part way leaves behind, said after its failure (a file to resume; stdout is gone)."""
+    return "; the records written are whole, and --resume picks up after them" if output else ""
 
 
 def _write_or_raise(sink: IO[bytes], record: dict) -> None:
@@ -683,8 +687,7 @@ def _run_on_ray(source: IO[bytes], job: dict, cluster: dict, output: Path | None
         err.print(f"  worker {worker}: {line}", highlight=False)
     _say_failed_before(outcome.failed_before, output)
     if outcome.failure:  # as recap's own failure part way in a local run (``_broken``): what was kept
-        kept = "; the records written are whole, and --resume picks up after them" if output else ""
-        err.print(f"[bold red]error:[/] {escape(outcome.failure + kept)}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(outcome.failure + _kept(output))}", highlight=False)
     if stop is not None:
         raise typer.Exit(stop)
     if not written:  # the summary file could not be written (said above): as a local run, exit 2
