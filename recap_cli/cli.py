@@ -145,6 +145,8 @@ def run(
                                               "read, instead of stopping; the run's end overwrites it"),
     resume: bool = typer.Option(False, help="skip lines already in --output (same line and id), but for those with "
                                 "only errors a rerun may fix (\"retry\": true); append"),
+    retry_errors: bool = typer.Option(False, help="with --resume, answer again every line whose records are only "
+                                      "errors, those for good too (after fixing an image or a record)"),
     summary: Optional[Path] = typer.Option(None, help="also write the end-of-run summary here as JSON"),
     budget: Optional[str] = typer.Option(None, help="draft nodes per step: auto (sized by measured step cost, "
                                          "the default for recap and pld), or a number; tr: auto or its template"),
@@ -191,6 +193,8 @@ def run(
     _check_loading(device, dtype, attn)
     if resume and output is None:
         fail("--resume needs --output (the file to resume; not stdout)")
+    if retry_errors and not resume:
+        fail("--retry-errors goes with --resume (it answers again the error records of an output being resumed)")
     _check_paths([Path(inputs)], output=output, summary=summary, memory=memory)
     source, base, total = _open_inputs(inputs)
     base = _image_root(root) or base
@@ -209,7 +213,7 @@ def run(
                                repetition_penalty=repetition_penalty, seed=seed)
     knobs = {"prefix_cache": "auto" if prefix_cache is None else prefix_cache} | knobs  # a Session argument
     if ray is not None:  # what the output holds is read (a torn tail cut) before the cluster starts
-        earlier = _resuming(output) if resume and output is not None else None
+        earlier = _resuming(output, retry_errors) if resume and output is not None else None
         job = dict(model=model, method=method, knobs=knobs, compile=compile, device=device, dtype=dtype, attn=attn,
                    max_new_tokens=max_new_tokens, allow_longer=allow_longer, base=base, batch=batch,
                    decoding=decoding)
@@ -239,7 +243,7 @@ def run(
             info(f"warm start: drafter memory loaded from {memory}")
         except MemoryFileError as exc:
             _memory_failed(exc, memory_cold_on_error)
-    earlier = _resuming(output) if resume and output is not None else records.Earlier()
+    earlier = _resuming(output, retry_errors) if resume and output is not None else records.Earlier()
     failed_before: list[int] = []  # lines skipped whose records are only errors of earlier runs
     totals = Totals()
     stop = None  # the exit code of a run that did not reach the end of its input
@@ -306,17 +310,21 @@ def run(
     raise typer.Exit(EXIT_FAILED_RECORDS if totals.errors or failed_before else EXIT_OK)
 
 
-def _resuming(output: Path) -> records.Earlier:
+def _resuming(output: Path, retry_errors: bool = False) -> records.Earlier:
     """What --resume finds in the output (a torn last line cut), and what people should know of it before the
-    run: records no line is matched to, and lines answered again because their errors may pass."""
+    run: records no line is matched to, and lines answered again because their errors may pass (``retry_errors``:
+    every error)."""
     earlier = records.answered(output)
+    if retry_errors:
+        earlier.retry_every_error()
     if earlier.unnumbered:
         err.print(f"[yellow]warning:[/] {earlier.unnumbered} records in {escape(str(output))} carry no line number "
                   "(an older recap wrote them): their lines are answered again", highlight=False)
     if earlier.retry:
         n = len(earlier.retry)
-        info(f"{n} line{'s' if n != 1 else ''} of {escape(str(output))} failed with errors a rerun may fix (out of "
-             "memory, ...): answered again, after their error records")
+        info(f"{n} line{'s' if n != 1 else ''} of {escape(str(output))} failed with "
+             + ("errors" if retry_errors else "errors a rerun may fix (out of memory, ...)")
+             + ": answered again, after their error records")
     return earlier
 
 
@@ -330,7 +338,8 @@ def _say_failed_before(lines: list[int], output: Path | None, shown: int = 5) ->
     many = len(lines) != 1
     err.print(f"[yellow]warning:[/] {escape(str(output))} holds only error records for {len(lines)} "
               f"line{'s' if many else ''} of the input ({named}), from earlier runs: errors a rerun would repeat "
-              f"(a bad record, an unreadable image), so --resume skipped {'them' if many else 'it'}", highlight=False)
+              f"(a bad record, an unreadable image), so --resume skipped {'them' if many else 'it'} (fixed? "
+              "--retry-errors answers them again)", highlight=False)
 
 
 def _say_capped(line: int, ceiling: int) -> None:

@@ -322,6 +322,13 @@ class Earlier:
     retry: set[Key] = field(default_factory=set)  # lines with only errors a rerun may fix: answered again
     unnumbered: int = 0  # records without a line number (from an older recap): their lines are answered again
 
+    def retry_every_error(self) -> None:
+        """Lines with errors for good are answered again too (``--retry-errors``): a rerun would repeat them only
+        until someone fixes the image or the record, which recap cannot see."""
+        self.done -= self.failed
+        self.retry |= self.failed
+        self.failed = set()
+
 
 def answered(output: Path) -> Earlier:
     """What the records already in an output file say of each line (for --resume), after cutting a torn last

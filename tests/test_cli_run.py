@@ -235,6 +235,26 @@ def test_resume_skips_an_error_a_rerun_would_repeat_and_says_so(model_dirs, work
     assert s["errors"] == 0 and s["errors_before"] == 1
 
 
+def test_retry_errors_answers_again_a_line_fixed_since_its_error(model_dirs, workdir):
+    """An error for good is skipped by --resume until someone fixes its cause, which recap cannot see: with
+    --retry-errors the line is answered again, its answer appended after the error record; without --resume the
+    flag is a usage error."""
+    path, out = workdir / "fixed.jsonl", workdir / "fixed.out.jsonl"
+    path.write_bytes(jsonl({"id": "ok", "prompt": "Hello?"}, {"id": "empty", "prompt": ""}))
+    args = ["run", path, "--model", model_dirs["text"], "-o", out, "--max-new-tokens", 3]
+    assert invoke(args).exit_code == 1
+    assert [r["error"] is None for r in lines(out.read_text())] == [True, False]
+    path.write_bytes(jsonl({"id": "ok", "prompt": "Hello?"}, {"id": "empty", "prompt": "Hello again?"}))
+    assert invoke(args + ["--resume"]).exit_code == 1 and len(lines(out.read_text())) == 2  # skipped, as before
+    r = invoke(args + ["--resume", "--retry-errors"])
+    assert r.exit_code == 0, r.stderr
+    after = lines(out.read_text())
+    assert [(x["line"], x["error"] is None) for x in after] == [(1, True), (2, False), (2, True)]
+    assert invoke(args + ["--resume", "--retry-errors"]).exit_code == 0 and lines(out.read_text()) == after
+    r = invoke(args + ["--retry-errors"])
+    assert r.exit_code == 2 and "--retry-errors goes with --resume" in unwrapped(r)
+
+
 def test_resume_never_answers_again_a_line_that_has_an_answer(model_dirs, workdir):
     """However a line's records lie in the output, one answer among them is enough: only the line whose records
     are all errors a rerun may fix is answered again."""
