@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import numpy as np
 import orjson
@@ -35,6 +35,9 @@ from .batch import Totals, answer, answer_all, error_record
 from .decoding.batched import DEFAULT_BATCH, default_batch
 from .decoding.sampling import GREEDY, resolve
 from .drafters.stream import merge_states as merge_stream_states
+
+if TYPE_CHECKING:  # the workers import the session (and the model code) when they start
+    from .session import Session
 
 FAULT_ENV = "RECAP_FAULT_KILL_AFTER"  # test knob: one worker exits hard once after this many records
 PUSH_EVERY_S = 60.0  # how often a worker copies its memory to the driver's collector mid-run
@@ -297,12 +300,7 @@ class Worker:
         # A restarted worker picks up the memory its last life sent; a new one starts from --memory's.
         blob = ray.get(collector.start.remote(self.id))
         if blob is not None:
-            try:
-                with _scratch() as path:
-                    path.write_bytes(blob)
-                    self.session.load_memory(path)
-            except (ValueError, RuntimeError, OSError) as exc:
-                raise WorkerSetupError(f"cannot load memory: {exc}") from None
+            load_sent(self.session, blob)
         self.pushed = time.monotonic()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -361,6 +359,19 @@ class Worker:
                 self._push(final=True)
             except Exception:  # noqa: BLE001 - the cluster may already be going away; the last push stands
                 pass
+
+
+def load_sent(session: Session, blob: bytes) -> None:
+    """A memory sent to a worker (--memory's file, or the worker's own last one), into its session; a
+    WorkerSetupError if it cannot be used. The session reads files: the message names the worker's scratch copy,
+    which no one has heard of, so it says what the copy is of."""
+    with _scratch() as path:
+        try:
+            path.write_bytes(blob)
+            session.load_memory(path)
+        except (ValueError, RuntimeError, OSError) as exc:
+            said = str(exc).replace(str(path), "the memory sent to this worker (--memory's file, or its own last)")
+            raise WorkerSetupError(f"cannot load memory: {said}") from None
 
 
 class _scratch:

@@ -228,3 +228,17 @@ def test_workers_parse_a_line_as_a_local_run_caps_it(tmp_path):
         ([], 50), ([], None), (["promt"], None), ([], None)]  # what the driver reads to warn, never raising
     job.allow_longer = True
     assert scale.parse_capped(raw, 1, job).max_new_tokens == 50
+
+
+def test_a_worker_names_the_memory_it_was_sent_not_its_scratch_copy(model_dirs, tmp_path):
+    """A memory saved for another model fails a worker's set-up in one sentence that says what the memory is
+    (--memory's file, or the worker's own last one), not the temporary copy the worker read it from."""
+    path = tmp_path / "demo.pt"
+    assert Session(load("demo", device="cpu"), "recap").save_memory(path)
+    other = Session(load(str(model_dirs["text"]), device="cpu"), "recap")
+    with pytest.raises(scale.WorkerSetupError) as caught:
+        scale.load_sent(other, path.read_bytes())
+    said = str(caught.value)
+    assert said.startswith("cannot load memory: the memory sent to this worker (--memory's file, or its own last) "
+                           "was saved for model "), said
+    assert "recap-memory-" not in said
