@@ -117,6 +117,9 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
     tally: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0])  # tried, predicted, accepted
     paths: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
     depths: dict[int, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0])  # nodes, predicted, sized, accepted
+    # The same by the tree's size too: a big tree is grown where its first nodes look best (a winner's curse the
+    # per-node tables cannot show), and at a steep step-cost curve it is the costly choice.
+    sized_by: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0])
     verify, engine = session.engine.verify, session.engine
     forwards: list[tuple[bool, int]] = []  # this request's prefills (True) and steps, by tree size
 
@@ -130,13 +133,14 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
             # the openings'), where the drafter keeps one.
             trust = getattr(drafter, "opening_trust" if getattr(drafter, "_opening", False) else "trust", None)
             factor, level = getattr(trust, "factor", 1.0), tree.depths()
+            size = size_bucket(len(tree))
             for i in range(1, len(tree)):
                 parent = tree.parents[i]
-                at = depths[min(level[i], 4)]
-                at[0] += 1
-                at[1] += chances[i]
-                at[2] += chances[i] * factor
-                at[3] += i in accepted
+                for at in (depths[min(level[i], 4)], sized_by[(size, min(level[i], 4))]):
+                    at[0] += 1
+                    at[1] += chances[i]
+                    at[2] += chances[i] * factor
+                    at[3] += i in accepted
                 source = Source(tree.sources[i]).name
                 path = paths[bucket(chances[i])]
                 path[0] += 1
@@ -173,10 +177,13 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
     gap = sum(abs(r["predicted"] - r["observed"]) * r["tested"] for r in rows) / total if total else 0.0
     depth_rows = [{"depth": d, "nodes": n, "predicted": p / n, "sized": z / n, "observed": a / n}
                   for d, (n, p, z, a) in sorted(depths.items()) if n]
+    size_rows = [{"size": s, "depth": d, "nodes": n, "predicted": p / n, "sized": z / n, "observed": a / n}
+                 for (s, d), (n, p, z, a) in sorted(sized_by.items(), key=lambda kv: (SIZES.index(kv[0][0]), kv[0][1]))
+                 if n]
     path_total = sum(t for t, _, _ in paths.values())
     expected = sum(p for _, p, _ in paths.values())
     return {"steps": steps, "nodes_per_step": nodes / max(steps, 1), "tokens_per_step": emitted / max(steps, 1),
-            "conditional": rows, "path": path_rows, "depth": depth_rows, "weighted_gap": gap,
+            "conditional": rows, "path": path_rows, "depth": depth_rows, "by_size": size_rows, "weighted_gap": gap,
             "sized_drafted_per_step": sum(z for _, _, z, _ in depths.values()) / max(steps, 1),
             "predicted_drafted_per_step": expected / max(steps, 1),
             "observed_drafted_per_step": sum(a for _, _, a in paths.values()) / max(steps, 1),
@@ -196,6 +203,13 @@ def _prices(spent: list[tuple[float, float, int]]) -> dict:
     return {"ms_per_token": sum(ms for ms, _, _ in spent) / sum(n for _, _, n in spent),
             "mean_speedup": sum(ar / ms for ms, ar, _ in spent) / len(spent),
             "per_request_speedup": [ar / ms for ms, ar, _ in spent]}
+
+
+SIZES = ("2-3", "4-7", "8-15", "16+")  # a tree's nodes, root included (a root alone drafts nothing)
+
+
+def size_bucket(nodes: int) -> str:
+    return SIZES[0] if nodes <= 3 else SIZES[1] if nodes <= 7 else SIZES[2] if nodes <= 15 else SIZES[3]
 
 
 def parse_spec(method: str) -> tuple[str, dict]:
@@ -255,6 +269,9 @@ def show(label: str, out: dict) -> None:
     print(f"{'depth (4: 4+)':13s} {'nodes':>7s} {'predicted':>9s} {'sized':>9s} {'observed':>9s}  (path chances)")
     for r in out["depth"]:
         print(f"{r['depth']:<13d} {r['nodes']:7d} {r['predicted']:9.3f} {r['sized']:9.3f} {r['observed']:9.3f}")
+    print(f"{'tree size':9s} {'depth':>5s} {'nodes':>7s} {'sized':>9s} {'observed':>9s}  (path chances x trust)")
+    for r in out.get("by_size", ()):
+        print(f"{r['size']:9s} {r['depth']:5d} {r['nodes']:7d} {r['sized']:9.3f} {r['observed']:9.3f}")
 
 
 def main() -> None:
