@@ -338,8 +338,8 @@ def _say_failed_before(lines: list[int], output: Path | None, shown: int = 5) ->
     many = len(lines) != 1
     err.print(f"[yellow]warning:[/] {escape(str(output))} holds only error records for {len(lines)} "
               f"line{'s' if many else ''} of the input ({named}), from earlier runs: errors a rerun would repeat "
-              f"(a bad record, an unreadable image), so --resume skipped {'them' if many else 'it'} (fixed? "
-              "--retry-errors answers them again)", highlight=False)
+              f"(a bad record, an unreadable image), so --resume skipped {'them' if many else 'it'} "
+              f"(once fixed, --resume --retry-errors answers {'them' if many else 'it'} again)", highlight=False)
 
 
 def _say_capped(line: int, ceiling: int) -> None:

@@ -245,7 +245,9 @@ def test_retry_errors_answers_again_a_line_fixed_since_its_error(model_dirs, wor
     assert invoke(args).exit_code == 1
     assert [r["error"] is None for r in lines(out.read_text())] == [True, False]
     path.write_bytes(jsonl({"id": "ok", "prompt": "Hello?"}, {"id": "empty", "prompt": "Hello again?"}))
-    assert invoke(args + ["--resume"]).exit_code == 1 and len(lines(out.read_text())) == 2  # skipped, as before
+    r = invoke(args + ["--resume"])
+    assert r.exit_code == 1 and len(lines(out.read_text())) == 2  # skipped, as before
+    assert "once fixed, --resume --retry-errors answers it again" in unwrapped(r)
     r = invoke(args + ["--resume", "--retry-errors"])
     assert r.exit_code == 0, r.stderr
     after = lines(out.read_text())
