@@ -116,9 +116,9 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
         recap_module._layout = logged
     tally: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0])  # tried, predicted, accepted
     paths: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
-    depths: dict[int, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0])  # nodes, predicted, sized, accepted
-    # The same by the tree's size too: a big tree is grown where its first nodes look best (a winner's curse the
-    # per-node tables cannot show), and at a steep step-cost curve it is the costly choice.
+    # Nodes, predicted, sized, accepted by (tree size, depth; 4: 4+), summed over sizes for the depth table: a big
+    # tree is grown where its first nodes look best (a winner's curse the per-node tables cannot show), and at a
+    # steep step-cost curve it is the costly choice.
     sized_by: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0])
     verify, engine = session.engine.verify, session.engine
     forwards: list[tuple[bool, int]] = []  # this request's prefills (True) and steps, by tree size
@@ -136,11 +136,11 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
             size = size_bucket(len(tree))
             for i in range(1, len(tree)):
                 parent = tree.parents[i]
-                for at in (depths[min(level[i], 4)], sized_by[(size, min(level[i], 4))]):
-                    at[0] += 1
-                    at[1] += chances[i]
-                    at[2] += chances[i] * factor
-                    at[3] += i in accepted
+                at = sized_by[(size, min(level[i], 4))]
+                at[0] += 1
+                at[1] += chances[i]
+                at[2] += chances[i] * factor
+                at[3] += i in accepted
                 source = Source(tree.sources[i]).name
                 path = paths[bucket(chances[i])]
                 path[0] += 1
@@ -175,6 +175,9 @@ def measure(model: str, inputs: list[Path], limit: int, max_new_tokens: int, bud
                  for b, (t, p, a) in sorted(paths.items()) if t]
     total = sum(r["tested"] for r in rows)
     gap = sum(abs(r["predicted"] - r["observed"]) * r["tested"] for r in rows) / total if total else 0.0
+    depths: dict[int, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0])
+    for (_, d), tallied in sized_by.items():
+        depths[d] = [x + y for x, y in zip(depths[d], tallied)]
     depth_rows = [{"depth": d, "nodes": n, "predicted": p / n, "sized": z / n, "observed": a / n}
                   for d, (n, p, z, a) in sorted(depths.items()) if n]
     size_rows = [{"size": s, "depth": d, "nodes": n, "predicted": p / n, "sized": z / n, "observed": a / n}

@@ -336,10 +336,11 @@ def _say_failed_before(lines: list[int], output: Path | None, shown: int = 5) ->
         return
     named = ", ".join(map(str, lines[:shown])) + (f" and {len(lines) - shown} more" if len(lines) > shown else "")
     many = len(lines) != 1
+    them = "them" if many else "it"
     err.print(f"[yellow]warning:[/] {escape(str(output))} holds only error records for {len(lines)} "
               f"line{'s' if many else ''} of the input ({named}), from earlier runs: errors a rerun would repeat "
-              f"(a bad record, an unreadable image), so --resume skipped {'them' if many else 'it'} "
-              f"(once fixed, --resume --retry-errors answers {'them' if many else 'it'} again)", highlight=False)
+              f"(a bad record, an unreadable image), so --resume skipped {them} (once fixed, --resume "
+              f"--retry-errors answers {them} again)", highlight=False)
 
 
 def _say_capped(line: int, ceiling: int) -> None:
