@@ -199,6 +199,23 @@ def test_tree_respects_budget_depth_and_lays_the_top1_chain_first():
     assert d.propose([1, 2, 3], room=2).depths() and max(d.propose([1, 2, 3], room=2).depths()) <= 2
 
 
+def test_growth_keeps_the_paths_of_highest_chance():
+    """Best-first growth: a tree of N drafted nodes holds the N paths of highest path chance (the product of
+    its nodes' chances) among every path the memories propose, enumerated here."""
+    d = _seeded_chain_drafter(budget=12, depth=4, suffix=False, calibrate=False)
+    tree = d.propose([1, 2, 3], room=100)
+    chances = []
+
+    def walk(key: tuple[int, ...], chance: float, depth: int) -> None:
+        for c, token, *_ in d._candidates(key, None, 0, 1 if depth else 0) if depth < 4 else ():
+            chances.append(chance * c)
+            walk((key + (token,))[-3:], chance * c, depth + 1)
+
+    walk((1, 2, 3), 1.0, 0)
+    assert len(tree) == 13 and len(chances) > 20  # up to two candidates a node (``width``)
+    assert sorted(d.chances[1:], reverse=True) == pytest.approx(sorted(chances, reverse=True)[:12])
+
+
 def test_tree_never_drafts_the_image_token():
     d = drafter(suffix=False)
     d.start([1, 2, 3], None)

@@ -671,19 +671,31 @@ class SizeChooser:
         self.size, self.best = 1, self._value(self.expected, table[1])
         self.best_expected = self.expected
         self.grid = _checkpoints(self.limit, tuple(grid))
+        self.after = _next_checkpoint(self.grid)  # n -> the first checkpoint above n (n < limit)
         self.chances: list[float] = []  # of the nodes placed, in order
         self.stopped = False  # growth ended because no bigger tree could pay (not for want of candidates)
         self._threshold: float | None = None
 
-    def place(self, chance: float) -> None:
-        self._threshold = None
+    def place(self, chance: float) -> float:
+        """One more node, of path ``chance``; returns ``threshold()`` as it now stands (growth reads it at every
+        node: computed here, where its parts are at hand)."""
         n = self.n = self.n + 1
         e = self.expected = self.expected + chance
         self.chances.append(chance)
-        seconds = self.t[n]
-        value = e / seconds if self.rate is None else e - self.rate * seconds  # ``_value``, inlined: every node
+        t = self.t
+        seconds = t[n]
+        rate = self.rate
+        value = e / seconds if rate is None else e - rate * seconds  # ``_value``, inlined: every node
         if value > self.best:
             self.size, self.best, self.best_expected = n, value, e
+        threshold = math.inf
+        if n < self.limit and n < 2 * self.size + 4:  # ``threshold``, inlined
+            seconds = t[n + 1]
+            need = self.best * seconds if rate is None else self.best + rate * seconds
+            if need < math.inf:
+                threshold = (need - e) / (self.after[n] - n)
+        self._threshold = threshold
+        return threshold
 
     def _value(self, expected: float, seconds: float) -> float:
         return expected / seconds if self.rate is None else expected - self.rate * seconds
@@ -693,9 +705,10 @@ class SizeChooser:
         self.stopped = True
         if n >= self.limit or n >= 2 * self.size + 4:
             return False
-        a = n
+        a, rate, best = n, self.rate, self.best
         for b in self.grid[bisect.bisect_right(self.grid, n):]:
-            if self._value(e + (b - n) * next_chance, t[a + 1]) > self.best:
+            most, seconds = e + (b - n) * next_chance, t[a + 1]
+            if (most / seconds if rate is None else most - rate * seconds) > best:  # ``_value``, inlined
                 self.stopped = False
                 return True
             a = b
@@ -709,7 +722,7 @@ class SizeChooser:
             n = self.n
             self._threshold = math.inf
             if n < self.limit and n < 2 * self.size + 4:
-                b = self.grid[bisect.bisect_right(self.grid, n)]
+                b = self.after[n]
                 seconds = self.t[n + 1]
                 need = self.best * seconds if self.rate is None else self.best + self.rate * seconds
                 if need < math.inf:  # an untimed size (or an undefined bound): ask worth_growing
@@ -721,6 +734,12 @@ class SizeChooser:
 def _checkpoints(limit: int, grid: tuple[int, ...]) -> tuple[int, ...]:
     """The grid sizes below ``limit``, then ``limit``: where growth checks its bound (once per limit, not per step)."""
     return tuple(sorted({g for g in grid if g < limit} | {limit}))
+
+
+@lru_cache(maxsize=64)
+def _next_checkpoint(grid: tuple[int, ...]) -> tuple[int, ...]:
+    """For each n below the last checkpoint, the first checkpoint above it: ``threshold``'s next segment."""
+    return tuple(grid[bisect.bisect_right(grid, n)] for n in range(grid[-1]))
 
 
 def best_size(chances: Sequence[float], chooser: SizeChooser) -> int:

@@ -101,8 +101,6 @@ class PlacedCalibration(Counts):
     0.1-0.2 accepted half as often). This maps each lane's chance to what placed nodes with that chance turned
     out to be worth, bucket by bucket, starting at the lane's own figure (``prior`` observations)."""
 
-    _bound: tuple[float, float] | None = None  # (most, the bound), kept until the coefficients are rebuilt
-
     def __init__(self, lanes: int = 2, prior: float = 8.0, refresh: int = 32):
         self.prior, self.refresh = prior, refresh
         self._since = 0
@@ -125,16 +123,7 @@ class PlacedCalibration(Counts):
             prior = self.prior
             self._coefficients = [[(h / (t + prior), prior / (t + prior)) for h, t in zip(hs, ts)]
                                   for hs, ts in zip(self.hits, self.tries)]
-            self._bound = None
         return self._coefficients
-
-    def bound(self, most: float = 1.0) -> float:
-        """An upper bound on the mapped chance of any lane chance <= ``most`` (for nodes not yet mixed)."""
-        coefficients = self.coefficients()
-        if self._bound is None or self._bound[0] != most:
-            self._bound = (most, min(1.0, max(a + b * min(most, (j + 1) / 10) for row in coefficients
-                                              for j, (a, b) in enumerate(row) if j / 10 <= most)))
-        return self._bound[1]
 
     def record(self, lane: int, p: float, hit: bool) -> None:
         b = self.bucket(p)
@@ -187,10 +176,8 @@ class CellChances(Counts):
             pt[p] += t
         self._parent_hits, self._parent_tries = ph, pt
         self._a, self._b = [0.0] * len(self.parents), [0.0] * len(self.parents)
-        self._top = [0.0] * self._groups  # per parent: the largest a + b among its cells (the bound's parts)
         self._dirty = set(range(self._groups))
         self._since = self.refresh
-        self._bound: float | None = None
 
     def record(self, cell: int, hit: bool) -> None:
         self.tries[cell] += 1
@@ -219,20 +206,9 @@ class CellChances(Counts):
                 t_p = self._parent_tries[parent]
                 rate = kc * self._parent_hits[parent] / (t_p + kp)  # k_cell * the parent's a
                 slope = kc * kp * w / (t_p + kp)  # k_cell * the parent's b
-                top = 0.0
                 for cell in self._members[parent]:
-                    a[cell] = x = (hits[cell] + rate) / (tries[cell] + kc)
-                    b[cell] = y = slope / (tries[cell] + kc)
-                    top = max(top, x + y)
-                self._top[parent] = top
+                    a[cell] = (hits[cell] + rate) / (tries[cell] + kc)
+                    b[cell] = slope / (tries[cell] + kc)
             self._dirty.clear()
             self._coefficients = (a, b)
-            self._bound = None
         return self._coefficients
-
-    def bound(self) -> float:
-        """The largest chance any cell gives any guess (guesses are <= 1), kept with the coefficients."""
-        self.coefficients()
-        if self._bound is None:
-            self._bound = min(1.0, max(self._top))
-        return self._bound

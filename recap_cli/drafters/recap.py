@@ -31,13 +31,14 @@ against the winner's curse of keeping only the best-looking candidates. A node's
 model has one argmax there), so their chances are scaled to add up to at most 1.
 
 The tree grows best-first: a child's path chance is its parent's times its own, so the expected tokens a step
-emits are 1 + the sum of its nodes' path chances. A node's candidates are worked out only when it is its turn to
-grow children (until then it waits at its path chance times an upper bound on any child's), so the leaves a tree
-ends with cost nothing. With ``budget="auto"`` (the default) the tree stops growing where no bigger tree can add
-more expected tokens than the run earns in the time it costs, and is cut to the best size (recap_cli/decoding/
-cost.py), down to the root alone: a plain greedy step where nothing is predictable enough. A request whose recent
-trees fell short of their chances scales them down for its own sizing (``Trust``); a drafted end-of-answer token
-is a leaf.
+emits are 1 + the sum of its nodes' path chances. A node's candidates are worked out as it is placed, so its
+best one waits at its true path chance and the stop below reads the best chance still to come. (Worked out only
+when the node's turn to grow children came, it waited in the heap behind a bound on its best child's chance: that
+second entry a node cost more host time than the leaves' candidates it spared.) With ``budget="auto"`` (the
+default) the tree stops growing where no bigger tree can add more expected tokens than the run earns in the time
+it costs, and is cut to the best size (recap_cli/decoding/cost.py), down to the root alone: a plain greedy step
+where nothing is predictable enough. A request whose recent trees fell short of their chances scales them down for
+its own sizing (``Trust``); a drafted end-of-answer token is a leaf.
 
 An answer's first tree, its *opening*, is drafted before its prompt runs (``early``), from what the memories
 already hold (how earlier answers went on from the same prompt ending), and verified in the prompt's own forward
@@ -73,7 +74,6 @@ Mixed = tuple[Sequence[int], Sequence[float], list[tuple[int, Row]]]
 NO_ROWS: Mixed = ((), (), [])
 STREAM_RANKS = 4  # continuations the stream proposes per node, most frequent first
 ANCHOR = 16  # tokens a continuation re-anchors on when it runs past the stream memory's depth
-MIX = -1  # a heap entry that works out a node's candidates (its chance is a bound on its best child's)
 
 # Evidence classes (cells) and their parents, as flat indices.
 # Stream: where the continuation last occurred, this request's own text or another request's, or a skip (a
@@ -107,6 +107,7 @@ STREAM_LANE, ROW_LANE = 0, 1
 # The placed-node calibration's own lane for an opening's nodes (the tree drafted before its prompt runs),
 # whichever memory proposed them: how earlier answers began continues differently from a passage inside one.
 OPENING_LANE = 2
+UNMAPPED = [(0.0, 1.0)] * 11  # an uncalibrated drafter's placed-node map: a + b * c is c
 # A candidate: (its lane's chance, token, stream cell or -1, row cell or -1: the class that gave the chance, its
 # placed chance). A node's candidates are in decreasing lane chance; the heap orders by placed chances.
 Candidate = tuple[float, int, int, int, float]
@@ -189,7 +190,7 @@ class RecapDrafter(Drafter):
         self.opening_trust = Trust(low=OPENING_LOW)  # how the stream's openings have kept their promises
         # The coefficients a tree reads, fetched by ``propose`` (None: the raw guesses, as uncalibrated).
         self._row_ab = self._stream_ab = (None, None)
-        self._lanes = None  # the placed-node maps of a stream and a row candidate (``_placed_lanes``)
+        self._lanes = (UNMAPPED, UNMAPPED)  # the placed-node maps of a stream and a row candidate (``_placed_lanes``)
         self._padded: tuple = (None, [])  # the placed coefficients, each lane's list with its top bucket repeated
         self._memories: tuple = (None, None, None)  # order-3 and order-2 rows, the order-1 table (``propose``)
         self.own_request_state()
@@ -493,7 +494,7 @@ class RecapDrafter(Drafter):
         """A node's candidates, best first: the stream's continuations of its match (``spos``, of length ``m``)
         and its recycled rows, each token once, each with its learned chance; the chances add up to <= 1, and
         each is then mapped as placed nodes of its lane turned out (``PlacedCalibration``). ``deep``: 0 at the
-        root (whose own occurrence in the stream has no continuation yet), else 1. Runs once per expanded node:
+        root (whose own occurrence in the stream has no continuation yet), else 1. Runs once per placed node:
         buckets are inlined, chances read as a + b * guess from the coefficients ``propose`` fetched."""
         banned = self.banned
         streamed: dict[int, tuple[int, float]] = {}  # token -> (cell without the agree bit, share)
@@ -523,7 +524,10 @@ class RecapDrafter(Drafter):
                     streamed[follows[0]] = (((own + mb) * 15 + 4) * 2, 1.0)
         if not deep and self._skip is not None:
             self._skipped(streamed)
-        raw: list[tuple[float, int, int, int]] = []
+        # Each candidate is mapped as placed nodes of its lane turned out (a + b * c in the chance's tenth, 0 <= c
+        # <= 1) as it comes; where the chances add up to more than 1 they are scaled down and mapped again.
+        stream_lane, row_lane = self._lanes
+        out: list[Candidate] = []
         total = 0.0
         found = []  # ``rows_for``, inlined: the memories ``propose`` fetched, most specific first
         m3, m2, table = self._memories
@@ -556,7 +560,8 @@ class RecapDrafter(Drafter):
                         (4 if p >= 0.95 else 3 if p >= 0.8 else 2 if p >= 0.5 else 1 if p >= 0.2 else 0)) * 4 + tail
                 c = a[cell] + b[cell] * p * p if a is not None else p
                 total += c
-                raw.append((c, t, -1, cell))
+                la, lb = row_lane[int(c * 10)]
+                out.append((c, t, -1, cell, la + lb * c))
         if streamed:
             a, b = self._stream_ab
             for t, (cell, share) in streamed.items():
@@ -564,25 +569,24 @@ class RecapDrafter(Drafter):
                     cell += 1
                 c = a[cell] + b[cell] * share if a is not None else share
                 total += c
-                raw.append((c, t, cell, -1))
-        norm = total if total > 1.0 else 1.0  # exclusive siblings
-        lanes = self._lanes
-        if lanes is None:
-            out = [(c / norm, t, s_cell, r_cell, c / norm) for c, t, s_cell, r_cell in raw]
-        else:  # mapped as placed nodes of the lane turned out: a + b * c in the chance's tenth (0 <= c <= 1)
-            stream_lane, row_lane = lanes
-            out = []
-            for c, t, s_cell, r_cell in raw:
-                c /= norm
-                a, b = (stream_lane if s_cell >= 0 else row_lane)[int(c * 10)]
-                out.append((c, t, s_cell, r_cell, a + b * c))
+                la, lb = stream_lane[int(c * 10)]
+                out.append((c, t, cell, -1, la + lb * c))
+        if total > 1.0:  # exclusive siblings
+            scaled = []
+            for x, t, s_cell, r_cell, _ in out:
+                c = x / total
+                la, lb = (stream_lane if s_cell >= 0 else row_lane)[int(c * 10)]
+                scaled.append((c, t, s_cell, r_cell, la + lb * c))
+            out = scaled
         out.sort(reverse=True)
         return out
 
     def _placed_lanes(self) -> tuple[list, list]:
         """The placed-node maps (a, b) by tenth of a chance, for a stream candidate and a row candidate (an
         opening's both in its own lane), each with its top tenth repeated so that a chance of exactly 1 reads it
-        as ``int(c * 10)``."""
+        as ``int(c * 10)``; uncalibrated, a map that keeps every chance as it is."""
+        if not self.calibrate:
+            return UNMAPPED, UNMAPPED
         mapped = self.placed.coefficients()
         if self._padded[0] is not mapped:  # rebuilt since the last read
             self._padded = (mapped, [lane + lane[-1:] for lane in mapped])
@@ -590,13 +594,6 @@ class RecapDrafter(Drafter):
         if self._opening:
             return padded[OPENING_LANE], padded[OPENING_LANE]
         return padded[STREAM_LANE], padded[ROW_LANE]
-
-    def _bound(self) -> float:
-        """An upper bound on any candidate's placed chance: what a node waits at before its candidates are known."""
-        if not self.calibrate:
-            return 1.0
-        raw = max(self.stream_chances.bound(), self.row_chances.bound())
-        return self.placed.bound(raw)
 
     # --- the tree -------------------------------------------------------------------------------------------
 
@@ -609,10 +606,8 @@ class RecapDrafter(Drafter):
 
     def propose(self, context: list[int], room: int) -> Tree:
         """Best-first growth: a node's best unplaced candidate waits in the heap at its path chance (its next
-        sibling takes its place when it is placed); a node waits to have its candidates worked out at its path
-        chance times ``_bound``, so the order is exactly best-first and the leaves cost nothing. With
-        ``budget="auto"`` the tree stops growing when no bigger tree can beat the best size so far
-        (``SizeChooser``), and is cut to that best size."""
+        sibling takes its place when it is placed). With ``budget="auto"`` the tree stops growing when no bigger
+        tree can beat the best size so far (``SizeChooser``), and is cut to that best size."""
         self._skip = self._advance(context)
         self._here = set(self.index.segs) if self.index.segs is not None else ()  # this request's own text
         tail = tuple(context[-3:])
@@ -625,7 +620,7 @@ class RecapDrafter(Drafter):
         self._row_ab = self.row_chances.coefficients() if calibrated else (None, None)
         self._stream_ab = self.stream_chances.coefficients() if calibrated else (None, None)
         self._opening = self.drafts_at_prefill and len(context) == self._prompt_length  # before the prompt runs
-        self._lanes = self._placed_lanes() if calibrated else None
+        self._lanes = self._placed_lanes()
         use3, use2, use1 = self._uses
         self._memories = (self.keyed[3].rows if use3 else None, self.keyed[2].rows if use2 else None,
                           self.order1.rows if use1 else None)
@@ -634,13 +629,12 @@ class RecapDrafter(Drafter):
         # cell (-1: not from the rows), whether its path outran the stream memory's depth (``_reanchor``)]
         nodes: list[list] = [[tail, spos, m, 0, first, None, -1, False]]
         tokens, parents, chances = [context[-1]], [-1], [1.0]
-        bound = self._bound()
         tree_s = self.stream.tree
         anchor = min(ANCHOR, tree_s.depth - 1)
         sizer = self.cost.chooser(self.paced, probe=not self._opening) if self.wants_costs else None
         budget, stops = self.budget, self.stops
         push, pop = heapq.heappush, heapq.heappop
-        # (-path chance, node, rank of the candidate it places, or MIX: work out the node's candidates)
+        # (-path chance, node, rank of the candidate it places)
         frontier: list[tuple[float, int, int]] = [(-first[0][4], 0, 0)] if first else []
         trust = (self.opening_trust if self._opening else self.trust).factor if sizer is not None else 1.0
         # Growth surely goes on while the best waiting chance beats the sizer's threshold (it moves only when a
@@ -654,13 +648,6 @@ class RecapDrafter(Drafter):
                 break
             neg, parent, rank = pop(frontier)
             node = nodes[parent]
-            if rank == MIX:
-                # A path that outran the memory's depth has matched at least that long, whatever its re-anchored
-                # match says: it is classed with the longest matches (a passage being copied).
-                cands = node[4] = self._candidates(node[0], node[1], FAR if node[7] else node[2], 1)
-                if cands:
-                    push(frontier, (-chances[parent] * cands[0][4], parent, 0))
-                continue
             cands = node[4]
             chance, token, s_cell, r_cell, _ = cands[rank]
             lane = STREAM_LANE if s_cell >= 0 else ROW_LANE
@@ -682,12 +669,17 @@ class RecapDrafter(Drafter):
                 # At the memory's depth nothing continues: match the path's own last tokens afresh.
                 child, cm = self._reanchor(context, tokens, parents, i, anchor)
                 far = child is not None
-            nodes.append([(node[0] + (token,))[-3:], child, cm, d, (), (lane, chance), r_cell, far])
+            key = (node[0] + (token,))[-3:]
+            kids = ()
             if d < max_depth and token not in stops:
-                push(frontier, (neg * bound, i, MIX))
+                # A path that outran the memory's depth has matched at least that long, whatever its re-anchored
+                # match says: it is classed with the longest matches (a passage being copied).
+                kids = self._candidates(key, child, FAR if far else cm, 1)
+                if kids:
+                    push(frontier, (neg * kids[0][4], i, 0))
+            nodes.append([key, child, cm, d, kids, (lane, chance), r_cell, far])
             if sizer is not None:
-                sizer.place(-neg * trust)
-                limit = sizer.threshold() / trust
+                limit = sizer.place(-neg * trust) / trust
         n = sizer.size if sizer is not None else len(tokens)
         return self._tree(tokens[:n], parents[:n], chances[:n], nodes[:n])
 
@@ -709,17 +701,19 @@ class RecapDrafter(Drafter):
         """Lay the kept nodes out depth-first, best child first (best-first growth placed siblings best first),
         so the top-1 chain sits at indices 0..d: when it is the accepted path the KV compaction is only a cut."""
         n = len(tokens)
-        kids: list[list[int]] = [[] for _ in range(n)]
+        size = [1] * n  # of each node's subtree
+        for i in range(n - 1, 0, -1):
+            size[parents[i]] += size[i]
+        # Siblings come in index order (best first): a node's place is its parent's, past the subtrees of the
+        # siblings before it.
+        where, free = [0] * n, [1] * n  # a node's place; the next free place under it, counted from its own
         for i in range(1, n):
-            kids[parents[i]].append(i)
-        order, stack = [], [0]
-        while stack:
-            i = stack.pop()
-            order.append(i)
-            stack.extend(reversed(kids[i]))
-        where = [0] * n
-        for new, old in enumerate(order):
-            where[old] = new
+            p = parents[i]
+            where[i] = where[p] + free[p]
+            free[p] += size[i]
+        order = [0] * n
+        for old, new in enumerate(where):
+            order[new] = old
         self._nodes = laid = [nodes[i] for i in order]
         self.chances = [chances[i] for i in order]
         return Tree([tokens[i] for i in order], [-1] + [where[parents[i]] for i in order[1:]], self._sources(laid))
