@@ -108,6 +108,45 @@ def test_an_optimistic_start_is_corrected_by_the_steps_it_causes():
     assert all(cost(n) > 1.5 * 0.010 for n in SIZES[1:])
 
 
+def test_a_size_dearer_than_the_next_keeps_its_price_and_is_passed_over():
+    """A CPU's matrix kernels run some sizes slower than the next one up (SmolLM2 on 2 cores: 3 tokens 87 ms, 4
+    tokens 83): the learned costs keep the dip, a tree with a good 4th node takes it, and one without stops at 2
+    nodes rather than pay for a 3rd that does not earn its price. Where a step capped the sizes below it at what
+    it took (``dips=False``, a batch's widths), 3 nodes were priced as cheap as 4 and chosen."""
+    chosen = {}
+    for dips in (True, False):
+        cost = StepCost((1, 2, 3, 4, 8), dips=dips)
+        cost.set([1.0, 1.1, 1.5, 1.3, 3.0])
+        for _ in range(3):
+            cost.observe(4, 1.3)
+        cost.forward_table()
+        assert cost(3) == (1.5 if dips else 1.3)
+        assert cost.floor()[3] == 1.3 and cost.floor()[5] == pytest.approx(1.725)  # 5: between 4 and 8
+        chosen[dips] = grow(cost, [0.6, 0.4, 0.1]), grow(cost, [0.6, 0.4])
+    assert chosen[True] == (4, 2)  # E/T: 2.1 / 1.3 beats 1.6 / 1.1; 2.0 / 1.5 does not
+    assert chosen[False] == (4, 3)
+
+
+def test_one_slow_step_cannot_price_a_size_out_and_a_dip_its_steps_bear_out_is_believed():
+    """A size first stepped at while the machine was busy (2 tokens: 2.0 against a truth of 1.1) costs what a
+    bigger, well-stepped size costs until its own steps say otherwise, so trees of that size still run and
+    correct it (the mean of its steps); a size whose steps keep costing more than a bigger one's is believed."""
+    for truth, believed in ((1.1, pytest.approx((2.0 + 7 * 1.1) / 8)), (2.0, 2.0)):
+        cost = StepCost((1, 2, 3, 4, 8), probes=False)  # a probe would believe a cheaper step at once
+        for _ in range(10):
+            cost.observe(1, 1.0)
+            cost.observe(4, 1.3)
+        cost.observe(2, 2.0)
+        cost.forward_table()
+        cost._changed()
+        assert cost.table()[2] == pytest.approx(1.3) and grow(cost, [0.6]) == 2  # 1.6 / 1.3 beats 1 / 1.0
+        for _ in range(7):
+            cost.observe(2, truth)
+        cost._changed()
+        assert cost.table()[2] == believed
+        assert grow(cost, [0.6]) == (2 if truth < 1.6 else 1)
+
+
 def test_costs_are_learned_from_the_steps_nothing_is_timed_up_front():
     """A fresh model knows nothing: the first step is the root alone, the second probes two tokens, and what
     was not stepped at is inferred one doubling beyond the widest size stepped at, and not farther."""

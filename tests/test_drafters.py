@@ -404,8 +404,12 @@ def test_step_cost_interpolates_follows_observations_and_buckets():
     assert c(3) == 2.0 and c(6) == 3.0 and c(8) == 4.0
     c.observe(6, 100.0)  # an outlier counts at most 3x the estimate, shared between the sizes around 6
     assert 2.0 < c(4) < 2.2 and 4.0 < c(8) < 4.5
-    t = c.table()
-    assert all(a <= b for a, b in zip(t[1:], t[2:]))  # T(n) never decreases
+    t, floor = c.table(), c.floor()
+    assert t[16] < t[8]  # sizes cost what they were given (16 tokens: 1.0), dips included
+    assert all(a <= b for a, b in zip(floor[1:], floor[2:])) and all(f == min(t[n:]) for n, f in enumerate(floor))
+    m = StepCost((1, 2, 4, 8, 16), dips=False)  # a batch's widths: never cheaper wider
+    m.set([1.0, 2.0, 2.0, 4.0, 1.0])
+    assert m.table()[16] == 4.0 and m.floor() == m.table()
     b = StepCost(buckets=(1, 16, 32))
     b.set([1.0, 2.0, 3.0])
     assert b(1) == 1.0 and b(2) == b(16) == 2.0 and b(17) == 3.0

@@ -15,12 +15,19 @@ import bisect
 import math
 from collections.abc import Callable, Sequence
 from functools import lru_cache
+from itertools import accumulate
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+# A batch-1 step's grid: every size up to 16, where most trees land and where a CPU's matrix kernels make some
+# sizes dearer than the next (SmolLM2-135M, 2 cores, fp32, ms: 3 tokens 87.3, 4 tokens 82.6; 7 99.8, 8 94.4;
+# benchmarks/step_costs.py), then SIZES. A size between two grid sizes would be priced between them, and its
+# steps would move both.
+STEP_SIZES = tuple(range(1, 17)) + tuple(s for s in SIZES if s > 16)
 REFRESH = 16
 UNKNOWN = math.inf  # the cost of a size nothing has timed yet, nor can be inferred: no normal step goes there
 PROBE_FIRST, PROBE_MOST = 4, 256  # steps between probes: soon at first, then doubling while probes confirm
 CORRECTED = 0.75  # a probe that took less than this share of the estimate shows the estimate was wrong
+DIP_STEPS = 8  # steps at each of two sizes before the smaller is believed the dearer (``StepCost.dips``)
 
 
 class Probes:
@@ -116,15 +123,27 @@ class StepCost:
     bigger guess would be a leap: farther sizes are reached by growing into them or by a probe, see ``Probes``),
     UNKNOWN past that. With ``buckets`` (a static-shape engine pads every step to a bucket) a step costs what
     its bucket costs. ``alpha = 0`` freezes the model (given costs, e.g. projected ones): no learning, no probes.
+
+    ``dips``: a size may cost more than a bigger one (a CPU's matrix kernels run 4 tokens faster than 3 on
+    SmolLM2, reproducibly): a tree of 3 nodes is then priced dearer than one of 4, and sizing, which ranks sizes
+    by these costs, takes the 4th node where it has one. A dip is believed once both sizes were stepped at
+    DIP_STEPS times, and each size's estimate is the mean of its steps until there are 1 / alpha of them: one
+    slow first step at a size, never chosen again, cannot price it out for good; until then the smaller size
+    costs what the bigger one does. Bounds on bigger trees read ``floor`` (what any size from n up costs at
+    least). Without ``dips`` (a batch's widths, padded to powers of two) the costs never decrease and a step
+    caps the sizes below it at what it took, which drags them towards the fastest step above: on SmolLM2's
+    second text set, 3 tokens so learned cost 67.6 ms where its steps took 83.3 (median; docs/benchmarks.md).
     """
 
-    def __init__(self, sizes: Sequence[int] = SIZES, buckets: Sequence[int] | None = None, alpha: float = 0.05,
-                 probes: bool = True):
+    def __init__(self, sizes: Sequence[int] = STEP_SIZES, buckets: Sequence[int] | None = None, alpha: float = 0.05,
+                 probes: bool = True, dips: bool = True):
         self.sizes = tuple(buckets or sizes)
         self.buckets = tuple(buckets) if buckets else None
         self.alpha = alpha
+        self.dips = dips
         self.seconds: list[float] | None = None  # per grid size (timed, observed or inferred); None until any is
         self.known = [False] * len(self.sizes)  # timed or observed, not inferred
+        self.steps = [0.0] * len(self.sizes)  # the steps each size learned from (weighted), for ``dips``
         self.host_per_node = 0.0  # drafting work (propose + observe) per tree node, seconds (``HostCost``)
         self.host = HostCost()
         self.pace = Pace()  # tokens per second the run achieves: what a step's marginal node must beat
@@ -132,7 +151,7 @@ class StepCost:
         self.probing = False  # the step being drafted is a probe (set by ``chooser``)
         self.templates: Callable[[], list[list[float]]] | None = None  # neighbours' shapes (``BatchCost``)
         self._table: list[float] | None = None  # forward(n) for n = 0..max, rebuilt lazily after updates
-        self._with_host: tuple | None = None  # (the forward table it was built from, T(n))
+        self._with_host: tuple | None = None  # (the forward table it was built from, T(n), its floor)
         self._stale = 0  # observations since the table was built: estimates move slowly, so it is rebuilt
         # every REFRESH observations, not every step (a rebuild is 64 interpolations: more than a step's drafting)
 
@@ -159,7 +178,7 @@ class StepCost:
             self.probing = True
             first = self.table()[1]
             return SizeChooser([0.0] + [first if first < UNKNOWN else 1.0] * rung, rung)
-        return SizeChooser(self.table(), self.max_tokens, rate=self.pace.rate if paced else None)
+        return SizeChooser(self.table(), self.max_tokens, rate=self.pace.rate if paced else None, floor=self.floor())
 
     def best_size(self, chances: Sequence[float]) -> int:
         return best_size(chances, self.chooser())
@@ -176,6 +195,8 @@ class StepCost:
             raise ValueError("one timing per grid size")
         self.seconds = list(seconds)
         self.known = [True] * len(self.sizes)
+        # A timing of every size is believed as it is (its dips too) and moves as a moving average from here.
+        self.steps = [max(float(DIP_STEPS), 1.0 / self.alpha if self.alpha else 0.0)] * len(self.sizes)
         if self.probes is not None:
             self.probes.reset()
         self._changed()
@@ -186,9 +207,9 @@ class StepCost:
         at most three times the current estimate, so it cannot make a size look unaffordable for good. Timing
         noise on a shared machine only ever adds time, so a step under half its estimate moves it halfway (the
         machine or the prefix changed), and a probe (``chooser`` handed one out) is believed at once where it
-        is cheaper than the estimate. ``bound``: no smaller step costs more than this one took (a bigger tree
-        is never cheaper). Returns whether an estimate was corrected: a size timed for the first time well under
-        what was inferred for it (or with nothing inferred), or one a probe found much cheaper."""
+        is cheaper than the estimate. ``bound`` (without ``dips``): no smaller step costs more than this one took.
+        Returns whether an estimate was corrected: a size timed for the first time well under what was inferred
+        for it (or with nothing inferred), or one a probe found much cheaper."""
         probing, self.probing = self.probing, False
         if self.frozen:
             return False
@@ -206,17 +227,21 @@ class StepCost:
                     # first timing that bears out its neighbours' shape finds nothing wrong.
                     corrected |= seconds < CORRECTED * self.seconds[j]
                     self.seconds[j], self.known[j] = seconds, True
+                    self.steps[j] = weight * share
                     first = True
                 continue
             estimate = self.seconds[j]
+            self.steps[j] += weight * share
             if probing and seconds < estimate:
                 corrected |= seconds < CORRECTED * estimate
                 self.seconds[j] += weight * share * (seconds - estimate)
             else:
                 rate = self.alpha if seconds > estimate / 2 else max(self.alpha, 0.5)
+                if self.dips:  # the mean of the steps so far, until the moving average weighs more
+                    rate = max(rate, 1.0 / self.steps[j])
                 self.seconds[j] += rate * weight * share * (min(seconds, 3 * estimate) - estimate)
                 surprised |= not estimate / 2 < seconds < 2 * estimate
-        if bound:
+        if bound and not self.dips:
             for j in range(bisect.bisect_left(self.sizes, tokens)):
                 if self.known[j] and self.seconds[j] > seconds:
                     self.seconds[j] = seconds
@@ -257,27 +282,48 @@ class StepCost:
         return UNKNOWN if UNKNOWN in (a, b) else a + w * (b - a)
 
     def table(self) -> list[float]:
-        """T(n) for n = 0..max_tokens: forward pass + drafting, made non-decreasing (a measured dip at some
-        size is noise; a bigger tree is never cheaper), so that bounds on future rates hold."""
+        """T(n) for n = 0..max_tokens: forward pass + drafting (non-decreasing without ``dips``)."""
+        return self._tables()[1]
+
+    def floor(self) -> list[float]:
+        """The least T(k) for k >= n, n = 0..max_tokens: what a tree of n nodes or more costs at least, for
+        bounds on what bigger trees can earn (``table`` itself where it never decreases)."""
+        return self._tables()[2]
+
+    def _tables(self) -> tuple[list[float], list[float], list[float]]:
         forward = self.forward_table()
         if self._with_host is None or self._with_host[0] is not forward:  # drafting time as of this rebuild
-            t = [0.0]
-            for n in range(1, self.max_tokens + 1):
-                t.append(max(t[-1], forward[n] + self.host_per_node * n))
-            self._with_host = (forward, t)
-        return self._with_host[1]
+            t = [forward[n] + self.host_per_node * n for n in range(self.max_tokens + 1)]
+            if not self.dips:
+                t = list(accumulate(t, max))
+            floor = list(accumulate(reversed(t), min))[::-1] if self.dips else t
+            self._with_host = (forward, t, floor)
+        return self._with_host
 
     def forward_table(self) -> list[float]:
-        """The forward pass alone for n = 0..max_tokens tokens, non-decreasing, rebuilt every REFRESH
-        observations."""
+        """The forward pass alone for n = 0..max_tokens tokens (non-decreasing without ``dips``), rebuilt every
+        REFRESH observations."""
         if self._table is None or self._stale >= REFRESH:
             self._stale = 0
             self._fill(self.templates() if self.templates is not None else ())
-            t = [0.0]
-            for n in range(1, self.max_tokens + 1):
-                t.append(max(t[-1], self(n)))
-            self._table = t
+            t = [0.0] + [self(n) for n in range(1, self.max_tokens + 1)]
+            self._table = self._believed_dips(t) if self.dips else list(accumulate(t, max))
         return self._table
+
+    def _believed_dips(self, t: list[float]) -> list[float]:
+        """``t`` where each size costs at most what a bigger one does, but where both were stepped at often
+        enough (``dips``)."""
+        floor, at = UNKNOWN, 0  # the least cost above n, and the size that costs it
+        for n in range(len(t) - 1, 0, -1):
+            if t[n] <= floor:
+                floor, at = t[n], n
+            elif not (self._stepped(n) and self._stepped(at)):
+                t[n] = floor
+        return t
+
+    def _stepped(self, tokens: int) -> bool:
+        lo, hi, _ = self._bracket(tokens)
+        return min(self.steps[lo], self.steps[hi]) >= DIP_STEPS
 
     def _changed(self) -> None:
         """An estimate moved a lot (a first timing, a probe's correction): rebuild the tables at the next read."""
@@ -320,7 +366,7 @@ class StepCost:
 
     def own_values(self) -> list[float]:
         """The grid's values inferred from this curve's own timings alone (for a neighbour's ``_fill``)."""
-        mine = StepCost(self.sizes, self.buckets, probes=False)
+        mine = StepCost(self.sizes, self.buckets, probes=False, dips=self.dips)
         mine.seconds, mine.known = list(self.seconds) if self.seconds else None, list(self.known)
         mine._fill()
         return mine.seconds or [UNKNOWN] * len(self.sizes)
@@ -361,7 +407,7 @@ class BatchCost:
         # Faster to follow than batch 1's: a run's rows are ragged and their caches grow (a wide step at 16 rows
         # costs 15-30% more late in a run than early); wide steps are rare, so each must count. ``buckets``: a
         # static-shape engine pads every step to a width bucket (and runs every slot), so a step costs its bucket's.
-        self.by_rows = {r: StepCost(widths, buckets=buckets, alpha=0.2, probes=False) for r in self.rows}
+        self.by_rows = {r: StepCost(widths, buckets=buckets, alpha=0.2, probes=False, dips=False) for r in self.rows}
         for r, curve in self.by_rows.items():
             curve.templates = self._templates_for(r)
         self.max_width = per_row
@@ -655,16 +701,19 @@ class SizeChooser:
 
     The bound: every node still to come has a chance <= ``next_chance`` (the best unplaced one), so a tree of
     k nodes emits at most E(n) + (k - n) * next_chance. Between two grid sizes a < k <= b that is at most
-    E(n) + (b - n) * next_chance, over at least T(a + 1) seconds (T never decreases), and both values grow
-    with tokens and fall with seconds: one check per grid segment. Where steps are cheap that bound stays loose
-    (it assumes every later node as likely as the next), and growth goes on long after the best size, paying
-    drafting for nodes that are cut. So growth also stops at twice the best size so far plus 4: a step-cost
-    curve whose sizes double (the static buckets 16, 32, 64) is still searched one bucket beyond the best.
+    E(n) + (b - n) * next_chance, over at least ``floor[a + 1]`` seconds (the least T from a + 1 up: ``table``
+    where T never decreases), and both values grow with tokens and fall with seconds: one check per grid
+    segment. Sizes are ranked by T itself, so where a size costs more than the next (``StepCost.dips``) the
+    bigger tree wins. Where steps are cheap that bound stays loose (it assumes every later node as likely as
+    the next), and growth goes on long after the best size, paying drafting for nodes that are cut. So growth
+    also stops at twice the best size so far plus 4: a step-cost curve whose sizes double (the static buckets
+    16, 32, 64) is still searched one bucket beyond the best.
     """
 
     def __init__(self, table: Sequence[float], limit: int, grid: Sequence[int] = SIZES, base: float = 0.0,
-                 rate: float | None = None):
+                 rate: float | None = None, floor: Sequence[float] | None = None):
         self.t = table
+        self.floor = table if floor is None else floor
         self.limit = min(limit, len(table) - 1)
         self.rate = rate  # with a rate, sizes are ranked by E(n) - rate * T(n) (``Pace``), else by E(n) / T(n)
         self.n, self.expected = 1, 1.0 + base  # ``base``: tokens the step's other rows are expected to emit
@@ -690,7 +739,7 @@ class SizeChooser:
             self.size, self.best, self.best_expected = n, value, e
         threshold = math.inf
         if n < self.limit and n < 2 * self.size + 4:  # ``threshold``, inlined
-            seconds = t[n + 1]
+            seconds = self.floor[n + 1]
             need = self.best * seconds if rate is None else self.best + rate * seconds
             if need < math.inf:
                 threshold = (need - e) / (self.after[n] - n)
@@ -701,13 +750,13 @@ class SizeChooser:
         return expected / seconds if self.rate is None else expected - self.rate * seconds
 
     def worth_growing(self, next_chance: float) -> bool:
-        n, t, e = self.n, self.t, self.expected
+        n, e = self.n, self.expected
         self.stopped = True
         if n >= self.limit or n >= 2 * self.size + 4:
             return False
-        a, rate, best = n, self.rate, self.best
+        a, rate, best, floor = n, self.rate, self.best, self.floor
         for b in self.grid[bisect.bisect_right(self.grid, n):]:
-            most, seconds = e + (b - n) * next_chance, t[a + 1]
+            most, seconds = e + (b - n) * next_chance, floor[a + 1]
             if (most / seconds if rate is None else most - rate * seconds) > best:  # ``_value``, inlined
                 self.stopped = False
                 return True
@@ -723,7 +772,7 @@ class SizeChooser:
             self._threshold = math.inf
             if n < self.limit and n < 2 * self.size + 4:
                 b = self.after[n]
-                seconds = self.t[n + 1]
+                seconds = self.floor[n + 1]
                 need = self.best * seconds if self.rate is None else self.best + self.rate * seconds
                 if need < math.inf:  # an untimed size (or an undefined bound): ask worth_growing
                     self._threshold = (need - self.expected) / (b - n)

@@ -18,7 +18,7 @@ import torch
 from ..adapters import Adapter, Prompt
 from ..prefix_cache import Layers, PrefixCache, common_prefix, rows_before
 from . import compat
-from .cost import SIZES, StepCost
+from .cost import STEP_SIZES, StepCost
 from .sampling import Picker, choose
 from .tree import Rows, Source, Tree, Verified
 
@@ -62,7 +62,7 @@ class Engine:
         if self.static:
             return StepCost(buckets=self.buckets)
         max_size = 128 if self.device.type == "cuda" else 64
-        return StepCost([s for s in SIZES if s <= max_size])
+        return StepCost([s for s in STEP_SIZES if s <= max_size])
 
     def _new_cache(self, need: int) -> None:
         if not self.static:
