@@ -19,8 +19,8 @@ from itertools import accumulate
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 # A batch-1 step's grid: every size up to 16, where most trees land and where a CPU's matrix kernels make some
-# sizes dearer than the next (SmolLM2-135M, 2 cores, fp32, ms: 3 tokens 87.3, 4 tokens 82.6; 7 99.8, 8 94.4;
-# benchmarks/step_costs.py), then SIZES. A size between two grid sizes would be priced between them, and its
+# sizes dearer than the next (SmolLM2-135M, 2 AMD EPYC cores, fp32, ms: 3 tokens 87.3, 4 tokens 82.6; 7 99.8, 8
+# 94.4; benchmarks/step_costs.py), then SIZES. A size between two grid sizes would be priced between them, and its
 # steps would move both.
 STEP_SIZES = tuple(range(1, 17)) + tuple(s for s in SIZES if s > 16)
 REFRESH = 16
