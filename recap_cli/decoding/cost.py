@@ -178,7 +178,8 @@ class StepCost:
             self.probing = True
             first = self.table()[1]
             return SizeChooser([0.0] + [first if first < UNKNOWN else 1.0] * rung, rung)
-        return SizeChooser(self.table(), self.max_tokens, rate=self.pace.rate if paced else None, floor=self.floor())
+        _, table, floor = self._tables()  # both in one read (``table()`` and ``floor()`` would each check them)
+        return SizeChooser(table, self.max_tokens, rate=self.pace.rate if paced else None, floor=floor)
 
     def best_size(self, chances: Sequence[float]) -> int:
         return best_size(chances, self.chooser())
