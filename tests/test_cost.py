@@ -198,6 +198,27 @@ def test_a_row_count_borrows_the_shape_of_its_nearest_timed_neighbour():
     assert batch_width(cost, [GOOD] * 4) > 1
 
 
+def test_a_row_count_timed_only_wide_borrows_its_neighbours_shape_below():
+    # A batch's drain: its few rows step wide, so their curve is timed at the widest width alone. Flat beneath
+    # that timing, a one-token step would cost what a sixteen-token one does and the widest tree look free.
+    cost = BatchCost(max_batch=16, per_row=16)
+    for width in (1, 2, 4, 8, 16):
+        cost.observe(16, width, rows_like(16, width))
+    cost.observe(4, 16, rows_like(4, 16))
+    table = cost.forward_table(4)
+    assert table[16] == pytest.approx(rows_like(4, 16))
+    assert table[1] == pytest.approx(rows_like(4, 16) * rows_like(16, 1) / rows_like(16, 16))
+    assert table[1] < table[2] < table[8] < table[16]
+    # Two rows, never stepped: the nearest timed curve's values (four rows'), its gaps filled alike.
+    assert cost.forward_table(2)[1] == pytest.approx(table[1])
+    weak = [[0.02] * 15] * 4  # too little to pay for a wider step, were it not free
+    assert batch_width(cost, weak) == 1
+    flat = BatchCost(max_batch=16, per_row=16)
+    flat.observe(4, 16, rows_like(4, 16))  # no neighbour timed narrower: flat beneath, as before
+    assert flat.forward_table(4)[1] == pytest.approx(rows_like(4, 16))
+    assert batch_width(flat, weak) == 16
+
+
 def test_a_frozen_model_never_probes():
     cost = StepCost(SIZES, alpha=0.0)
     cost.set([1.0 if n <= 16 else 1e3 for n in SIZES])

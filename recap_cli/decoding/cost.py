@@ -334,12 +334,13 @@ class StepCost:
         """Infer the sizes nothing has timed from those something has: linear between two timed sizes; above the
         largest, the shape of the first of ``templates`` (other curves' own values: a batched step's neighbours,
         nearest first) that has one, else linear from the two largest timed sizes above 1 (a one-token step
-        carries no mask: no slope from it), one doubling at most; below the smallest, that one's cost; UNKNOWN
-        where nothing says anything. A curve nothing has timed is the first template."""
+        carries no mask: no slope from it), one doubling at most; below the smallest, as ``_below``; UNKNOWN
+        where nothing says anything. A curve nothing has timed is the first template, its gaps filled alike."""
         known = [j for j, k in enumerate(self.known) if k]
         if not known:
             if templates:
                 self.seconds = list(templates[0])
+                _below(self.seconds, next(j for j, v in enumerate(self.seconds) if v < UNKNOWN), templates[1:])
             return
         s, sizes = self.seconds, self.sizes
         top = known[-1]
@@ -347,13 +348,11 @@ class StepCost:
         slope = 0.0
         if len(wide) == 2:
             slope = max(0.0, (s[wide[1]] - s[wide[0]]) / (sizes[wide[1]] - sizes[wide[0]]))
+        _below(s, known[0], templates)
         before = known[0]
-        for j in range(len(sizes)):
+        for j in range(known[0], len(sizes)):
             if self.known[j]:
                 before = j
-                continue
-            if j < known[0]:
-                s[j] = s[known[0]]
             elif j < top:
                 after = next(k for k in known if k > j)
                 f = (sizes[j] - sizes[before]) / (sizes[after] - sizes[before])
@@ -366,11 +365,15 @@ class StepCost:
                 s[j] = UNKNOWN
 
     def own_values(self) -> list[float]:
-        """The grid's values inferred from this curve's own timings alone (for a neighbour's ``_fill``)."""
+        """The grid's values inferred from this curve's own timings alone (for a neighbour's ``_fill``): UNKNOWN
+        below the smallest size timed, where its flat guess would be no shape to lend."""
         mine = StepCost(self.sizes, self.buckets, probes=False, dips=self.dips)
         mine.seconds, mine.known = list(self.seconds) if self.seconds else None, list(self.known)
         mine._fill()
-        return mine.seconds or [UNKNOWN] * len(self.sizes)
+        if not mine.seconds:
+            return [UNKNOWN] * len(self.sizes)
+        low = self.known.index(True) if True in self.known else len(self.sizes)
+        return [UNKNOWN] * low + mine.seconds[low:]
 
     def _bracket(self, tokens: int) -> tuple[int, int, float]:
         """Grid indices around ``tokens`` and the interpolation weight of the upper one."""
@@ -384,6 +387,17 @@ class StepCost:
         if sizes[hi] == tokens:
             return hi, hi, 0.0
         return lo, hi, (tokens - sizes[lo]) / (sizes[hi] - sizes[lo])
+
+
+def _below(seconds: list[float], low: int, templates: Sequence[Sequence[float]]) -> None:
+    """Sizes under ``low`` (the smallest with a value) take ``low``'s cost times the first template's multiple
+    of it there (at most 1), where a template has both; else ``low``'s cost. A batch's drain steps its fewer
+    rows wide, so their curves are timed at wide widths alone: flat beneath, a one-token step of 9 rows was
+    priced at 23.6 ms (a 16-row one took 6-7), every width alike, and the widest trees looked free
+    (docs/benchmarks.md, thirty-first session)."""
+    for j in range(low):
+        shape = next((t for t in templates if t[j] < UNKNOWN and t[low] < UNKNOWN), None)
+        seconds[j] = seconds[low] * min(1.0, shape[j] / shape[low]) if shape is not None else seconds[low]
 
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
