@@ -340,7 +340,9 @@ class StepCost:
         if not known:
             if templates:
                 self.seconds = list(templates[0])
-                _below(self.seconds, next(j for j, v in enumerate(self.seconds) if v < UNKNOWN), templates[1:])
+                low = next((j for j, v in enumerate(self.seconds) if v < UNKNOWN), None)
+                if low is not None:
+                    _below(self.seconds, low, templates[1:])
             return
         s, sizes = self.seconds, self.sizes
         top = known[-1]
@@ -357,7 +359,7 @@ class StepCost:
                 after = next(k for k in known if k > j)
                 f = (sizes[j] - sizes[before]) / (sizes[after] - sizes[before])
                 s[j] = s[before] + f * (s[after] - s[before])
-            elif (shape := next((t for t in templates if t[j] < UNKNOWN and t[top] < UNKNOWN), None)) is not None:
+            elif (shape := _lender(templates, j, top)) is not None:
                 s[j] = s[top] * shape[j] / shape[top]
             elif sizes[j] <= 2 * sizes[top]:
                 s[j] = s[top] + slope * (sizes[j] - sizes[top])
@@ -396,8 +398,13 @@ def _below(seconds: list[float], low: int, templates: Sequence[Sequence[float]])
     priced at 23.6 ms (a 16-row one took 6-7), every width alike, and the widest trees looked free
     (docs/benchmarks.md, thirty-first session)."""
     for j in range(low):
-        shape = next((t for t in templates if t[j] < UNKNOWN and t[low] < UNKNOWN), None)
+        shape = _lender(templates, j, low)
         seconds[j] = seconds[low] * min(1.0, shape[j] / shape[low]) if shape is not None else seconds[low]
+
+
+def _lender(templates: Sequence[Sequence[float]], j: int, at: int) -> Sequence[float] | None:
+    """The first template with values at both ``j`` and ``at``: its shape between them is the one lent."""
+    return next((t for t in templates if t[j] < UNKNOWN and t[at] < UNKNOWN), None)
 
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
