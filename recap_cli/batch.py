@@ -305,6 +305,7 @@ class InFlight:
                 continue
             # Nothing left to join (no request, no turn prepared or to come): the run waits for its slowest row.
             self.batch.draining = exhausted and not self.preparing and not self.asking and not self.more
+            self.batch.busy = not all(job.done() for job in self.preparing.values())
             for seq, result in self.batch.step():
                 self._resume(seq, result)
             yield from self._ready()

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import random
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from recap_cli.decoding import batched, compat
 from recap_cli.batch import answer_all
-from recap_cli.decoding.batched import Batch, BatchEngine, Flight, length_groups
+from recap_cli.decoding.batched import PROBE_WAIT, Batch, BatchEngine, Flight, length_groups
 from recap_cli.decoding.batched_static import StaticBatchEngine
 from recap_cli.decoding.cost import BatchCost, RowShare, SizeChooser, batch_width, draining_width
 from recap_cli.drafters import Drafter, RecapDrafter
@@ -535,6 +536,20 @@ def test_a_draining_batch_takes_no_probe(get_adapter, tmp_path, monkeypatch):
     assert any(width == 4 for draining, width in steps if not draining)  # fed: probes of width 4
     drained = [width for draining, width in steps if draining]
     assert drained and drained == [1] * len(drained)  # draining: none
+
+
+def test_a_busy_batch_puts_a_due_probe_off_for_a_while():
+    """A step that shares the cores with the next turns' preparation times that contention as much as its width:
+    a probe due waits for a quiet step, PROBE_WAIT busy steps at most (preparation that never idles cannot put
+    re-testing off for good); a quiet batch probes at once, a draining one never."""
+    cost = SimpleNamespace(probe=lambda: 4)  # a probe of width 4 is due
+    batch = SimpleNamespace(draining=False, busy=True, _waited=0)
+    assert [Batch._probe(batch, cost) for _ in range(PROBE_WAIT + 1)] == [None] * PROBE_WAIT + [4]
+    assert Batch._probe(batch, cost) is None  # the wait starts again after a probe
+    batch.busy = False
+    assert Batch._probe(batch, cost) == 4 and batch._waited == 0
+    batch.draining = True
+    assert Batch._probe(batch, cost) is None
 
 
 def test_only_rows_cut_by_cost_rest(get_adapter):

@@ -455,6 +455,7 @@ class Flight:
 MAX_REST = 32  # steps a row whose trees keep being cut to the root goes without drafting, at most
 TRUST_RATE = 0.1  # how fast the batch learns what the rows' guesses are worth
 YIELD_RATE = 0.1  # how fast the batch learns the tokens a drafting row emits per step
+PROBE_WAIT = 16  # busy steps a probe due waits for a quiet one, at most (``Batch._probe``)
 Outcome = tuple[Hashable, "Generation | Exception"]  # a turn that left the batch: its tag and result
 
 
@@ -480,6 +481,10 @@ class Batch:
         # Set by whoever feeds the batch: no turn will join before every row has ended, so the run lasts as long
         # as its slowest row (``_bounding``).
         self.draining = False
+        # Set by whoever feeds the batch: other work shares the cores (the next turns being prepared), so a step
+        # times that contention as much as its width: a probe due waits for a quiet step (``_probe``).
+        self.busy = False
+        self._waited = 0  # busy steps the probe due has waited
         self.yields = 1.0  # tokens a drafting row emits per step (moving average over the batch's steps)
 
     def __len__(self) -> int:
@@ -661,11 +666,11 @@ class Batch:
         A resting row (its last tree was cut to its root) drafts only in a step that is wide anyway: the width
         counts every row's last guess, resting or not, so rows that together pay for a wider step wake up
         together. A probe step (the cost model re-testing a width it believes unprofitable) sets the width
-        itself; a draining batch takes none: a probe buys knowledge for the steps after it, and there nothing
-        joins and the run ends with its slowest row (SmolLM2's 16 prompts at batch 16, which drain from their
-        first step: five probes of width 2-4 added a second to ar's 15, and shortened nothing). Before the first
-        step nothing is known about costs: no row drafts (it would be thrown away). In a draining batch only the
-        rows that bound the run draft (``_bounding``)."""
+        itself (a busy batch puts it off: ``_probe``); a draining one takes none: a probe buys knowledge for the
+        steps after it, and there nothing joins and the run ends with its slowest row (SmolLM2's 16 prompts at
+        batch 16, which drain from their first step: five probes of width 2-4 added a second to ar's 15, and
+        shortened nothing). Before the first step nothing is known about costs: no row drafts (it would be thrown
+        away). In a draining batch only the rows that bound the run draft (``_bounding``)."""
         n = len(self.flights)
         bounding = self._bounding()
         trees: list[Tree] = [Tree.root(f.context[-1]) for f in self.flights]
@@ -673,7 +678,7 @@ class Batch:
         width, self._guessed, sized = 1, 0.0, self.drafter.wants_costs
         cost = self.engine.cost
         if sized:
-            probe = cost.probe() if not self.draining else None
+            probe = self._probe(cost)
             if probe is not None:
                 cost.probing, width = True, probe
             elif cost.forward_table(n)[1] == UNKNOWN:  # the first step: an ``ar`` step, timed
@@ -710,6 +715,21 @@ class Batch:
             expected += share.chosen_expected() if share is not None else 1.0
             nodes += len(trees[i])
         return trees, seconds
+
+    def _probe(self, cost: BatchCost) -> int | None:
+        """The width a probe due steps at now, or None. A draining batch takes none; a busy one puts it off, up to
+        PROBE_WAIT steps (work that never idles cannot put re-testing off for good). A fresh run's first steps
+        share 2 cores with the look-ahead's images and processor runs: 14-81 ms where quiet ones took 6-10, and
+        its first width-2 probe, 20-50 ms (7-10 quiet), was believed whole: nothing was drafted until the next
+        probe, ten steps on (docs/benchmarks.md, thirty-first session)."""
+        probe = None if self.draining else cost.probe()
+        if probe is None:
+            return None
+        if self.busy and self._waited < PROBE_WAIT:
+            self._waited += 1
+            return None
+        self._waited = 0
+        return probe
 
     def _bounding(self) -> list[bool]:
         """Which rows may bound a draining batch's run: it ends when its last row does, so a token drafted for a
