@@ -478,11 +478,10 @@ class Batch:
         # what such a tree costs and earns.
         self.early = drafter.drafts_at_prefill and engine.drafts_in_prefill
         self.opening = OpeningCost(engine.per_row)
-        # Set by whoever feeds the batch: no turn will join before every row has ended, so the run lasts as long
-        # as its slowest row (``_bounding``).
+        # Set by whoever feeds the batch. ``draining``: no turn will join before every row has ended, so the run
+        # lasts as long as its slowest row (``_bounding``). ``busy``: other work shares the cores (the next turns
+        # being prepared), so a step times that contention as much as its width (``_probe``).
         self.draining = False
-        # Set by whoever feeds the batch: other work shares the cores (the next turns being prepared), so a step
-        # times that contention as much as its width: a probe due waits for a quiet step (``_probe``).
         self.busy = False
         self._waited = 0  # busy steps the probe due has waited
         self.yields = 1.0  # tokens a drafting row emits per step (moving average over the batch's steps)
