@@ -369,12 +369,12 @@ class StepCost:
     def own_values(self) -> list[float]:
         """The grid's values inferred from this curve's own timings alone (for a neighbour's ``_fill``): UNKNOWN
         below the smallest size timed, where its flat guess would be no shape to lend."""
-        mine = StepCost(self.sizes, self.buckets, probes=False, dips=self.dips)
-        mine.seconds, mine.known = list(self.seconds) if self.seconds else None, list(self.known)
-        mine._fill()
-        if not mine.seconds:
+        if True not in self.known:
             return [UNKNOWN] * len(self.sizes)
-        low = self.known.index(True) if True in self.known else len(self.sizes)
+        mine = StepCost(self.sizes, self.buckets, probes=False, dips=self.dips)
+        mine.seconds, mine.known = list(self.seconds), list(self.known)
+        mine._fill()
+        low = self.known.index(True)
         return [UNKNOWN] * low + mine.seconds[low:]
 
     def _bracket(self, tokens: int) -> tuple[int, int, float]:
