@@ -424,6 +424,25 @@ def test_a_turn_that_ends_at_its_first_token_leaves_at_once(get_adapter):
         batch.add([("c", prompt, 5), ("d", prompt, 5)])
 
 
+def test_a_busy_batch_tells_its_cost_model_which_steps_shared_the_cores(get_adapter):
+    adapter = get_adapter("text")
+    engine = BatchEngine(adapter, max_batch=2)
+    batch = Batch(engine, Session(adapter, "recap").drafter, 2)
+    prompt = adapter.build(*request("text", "hi"))
+    batch.add([("a", prompt, 8), ("b", prompt, 8)])
+    seen, real = [], engine.cost.observe
+
+    def observe(rows, width, seconds):
+        seen.append(engine.cost.busy)
+        real(rows, width, seconds)
+
+    engine.cost.observe = observe
+    for busy in (True, False, True):
+        batch.busy = busy
+        batch.step()
+    assert seen == [True, False, True] and not engine.cost.busy  # read once, by the step it was set for
+
+
 def flat_cost(rows_seconds: dict[int, list[float]]) -> BatchCost:
     cost = BatchCost(max_batch=8, per_row=16)
     for rows, curve in cost.by_rows.items():

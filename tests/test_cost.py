@@ -219,6 +219,25 @@ def test_a_row_count_timed_only_wide_borrows_its_neighbours_shape_below():
     assert batch_width(flat, weak) == 16
 
 
+def test_a_busy_step_times_no_width_for_the_first_time():
+    # A fresh run's first steps share the cores with its inputs' preparation: a width-2 step took 3-8 times a
+    # quiet one. Believed, width 2 would look too dear to draft at; untimed, it keeps width 1's inferred price
+    # and the next quiet step at width 2 times it.
+    cost = BatchCost(max_batch=16, per_row=16)
+    cost.busy = True
+    cost.observe(16, 1, 0.010)  # a curve's first timing is taken busy or not: nothing else prices its widths
+    assert cost.forward_table(16)[1] == pytest.approx(0.010)
+    cost.busy = True
+    cost.observe(16, 2, 0.050)
+    assert cost.forward_table(16)[2] == pytest.approx(0.010)
+    assert batch_width(cost, [[0.5] * 15] * 16) >= 2  # still worth drafting at
+    cost.observe(16, 2, 0.011)  # quiet (the flag lasts one step)
+    assert cost.forward_table(16)[2] == pytest.approx(0.011)
+    cost.busy, cost.probing = True, True
+    cost.observe(16, 4, 0.050)  # a probe is believed: it waited for a quiet step as long as it could
+    assert cost.forward_table(16)[4] == pytest.approx(0.050)
+
+
 def test_a_frozen_model_never_probes():
     cost = StepCost(SIZES, alpha=0.0)
     cost.set([1.0 if n <= 16 else 1e3 for n in SIZES])

@@ -202,13 +202,18 @@ class StepCost:
             self.probes.reset()
         self._changed()
 
-    def observe(self, tokens: int, seconds: float, weight: float = 1.0, bound: bool = True) -> bool:
+    def observe(self, tokens: int, seconds: float, weight: float = 1.0, bound: bool = True,
+                contended: bool = False) -> bool:
         """A verification step of ``tokens`` took ``seconds`` (``weight``: how much this curve owns the step,
         when a batched step falls between two curves). One slow outlier (another process, a page fault) counts
         at most three times the current estimate, so it cannot make a size look unaffordable for good. Timing
         noise on a shared machine only ever adds time, so a step under half its estimate moves it halfway (the
         machine or the prefix changed), and a probe (``chooser`` handed one out) is believed at once where it
         is cheaper than the estimate. ``bound`` (without ``dips``): no smaller step costs more than this one took.
+        A ``contended`` step (other work shared the cores) times no size for the first time where others are
+        timed: the contention would be taken for that size's cost, which would then never be stepped at again
+        (the size keeps what its neighbours infer for it). A probe is believed busy or not: it waited for a quiet
+        step as long as it could, and work that never idles must not keep sizes untimed for good.
         Returns whether an estimate was corrected: a size timed for the first time well under what was inferred
         for it (or with nothing inferred), or one a probe found much cheaper."""
         probing, self.probing = self.probing, False
@@ -222,6 +227,8 @@ class StepCost:
             if share <= 0:
                 continue
             if not self.known[j]:
+                if contended and not probing and True in self.known:
+                    continue
                 if weight * share >= 0.5:  # the nearer grid size takes the first timing whole
                     # A correction (probes come sooner again) where it is much cheaper than what was inferred
                     # for it, or nothing was: a batched run meets untimed (rows, width) cells all along, and a
@@ -437,6 +444,7 @@ class BatchCost:
         self.host = HostCost()
         self.probes = Probes(buckets or widths, buckets is not None)
         self.probing = False  # the step being drafted is a probe (set by the batch, see ``probe``)
+        self.busy = False  # the step being drafted shares the cores with other work (set by the batch)
         self._stale = 0
         self._tables: dict[int, tuple[list[float], list[float], list[float]]] = {}
 
@@ -462,14 +470,18 @@ class BatchCost:
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
         """A step of ``rows`` rows at width ``width`` took ``seconds``: the cells around it move towards it (only
-        the curve of fewer rows learns that its narrower steps cost no more)."""
+        the curve of fewer rows learns that its narrower steps cost no more). A ``busy`` step times no cell for
+        the first time: a fresh run's first steps share the cores with its inputs' preparation, and a width-2
+        step then took 17-78 ms (8-10 quiet); believed whole, width 2 looked dear for the next dozen steps
+        (docs/benchmarks.md, thirty-second session)."""
         probing, self.probing = self.probing, False
+        busy, self.busy = self.busy, False
         lo, hi, w = self._bracket(rows)
         self.by_rows[lo].probing = probing
-        corrected = self.by_rows[lo].observe(width, seconds, 1.0 - w)
+        corrected = self.by_rows[lo].observe(width, seconds, 1.0 - w, contended=busy)
         if hi != lo:
             self.by_rows[hi].probing = probing
-            corrected |= self.by_rows[hi].observe(width, seconds, w, bound=False)
+            corrected |= self.by_rows[hi].observe(width, seconds, w, bound=False, contended=busy)
         if not self.frozen:
             if probing and width >= 2:
                 self.probes.done(corrected)
