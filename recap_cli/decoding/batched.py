@@ -480,8 +480,7 @@ class Batch:
         self.opening = OpeningCost(engine.per_row)
         # Set by whoever feeds the batch. ``draining``: no turn will join before every row has ended, so the run
         # lasts as long as its slowest row (``_bounding``). ``busy``: other work shares the cores (the next turns
-        # being prepared), so a step times that contention as much as its width (``_probe``; its timing is no
-        # width's first, ``_draft``).
+        # being prepared), so a step times that contention as much as its width (``_probe``, ``_draft``).
         self.draining = False
         self.busy = False
         self._waited = 0  # busy steps the probe due has waited
@@ -677,7 +676,9 @@ class Batch:
         seconds = [0.0] * n
         width, self._guessed, sized = 1, 0.0, self.drafter.wants_costs
         cost = self.engine.cost
-        cost.busy = self.busy  # its timing is no width's first (``StepCost.observe``: contended)
+        # A busy step's timing is an upper bound (``BatchCost.observe``), where the preparation's threads share the
+        # cores the forward pass runs on: a CPU's.
+        cost.busy = self.busy and self.engine.device.type == "cpu"
         if sized:
             probe = self._probe(cost)
             if probe is not None:

@@ -210,10 +210,9 @@ class StepCost:
         noise on a shared machine only ever adds time, so a step under half its estimate moves it halfway (the
         machine or the prefix changed), and a probe (``chooser`` handed one out) is believed at once where it
         is cheaper than the estimate. ``bound`` (without ``dips``): no smaller step costs more than this one took.
-        A ``contended`` step (other work shared the cores) times no size for the first time where others are
-        timed: the contention would be taken for that size's cost, which would then never be stepped at again
-        (the size keeps what its neighbours infer for it). A probe is believed busy or not: it waited for a quiet
-        step as long as it could, and work that never idles must not keep sizes untimed for good.
+        A ``contended`` step (other work shared the cores) says only that its size costs at most what it took:
+        it lowers an estimate, timed or inferred, and never raises one. Believed, its contention would price the
+        size out, and a size priced out is not stepped at again to be corrected.
         Returns whether an estimate was corrected: a size timed for the first time well under what was inferred
         for it (or with nothing inferred), or one a probe found much cheaper."""
         probing, self.probing = self.probing, False
@@ -226,9 +225,9 @@ class StepCost:
         for j, share in ((lo, 1.0 - w), (hi, w)):
             if share <= 0:
                 continue
+            if contended and seconds >= self.seconds[j]:
+                continue
             if not self.known[j]:
-                if contended and not probing and True in self.known:
-                    continue
                 if weight * share >= 0.5:  # the nearer grid size takes the first timing whole
                     # A correction (probes come sooner again) where it is much cheaper than what was inferred
                     # for it, or nothing was: a batched run meets untimed (rows, width) cells all along, and a
@@ -470,10 +469,10 @@ class BatchCost:
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
         """A step of ``rows`` rows at width ``width`` took ``seconds``: the cells around it move towards it (only
-        the curve of fewer rows learns that its narrower steps cost no more). A ``busy`` step times no cell for
-        the first time: a fresh run's first steps share the cores with its inputs' preparation, and a width-2
-        step then took 17-78 ms (8-10 quiet); believed whole, width 2 looked dear for the next dozen steps
-        (docs/benchmarks.md, thirty-second session)."""
+        the curve of fewer rows learns that its narrower steps cost no more). A ``busy`` step (the batch's next
+        turns were being prepared on the same cores) can lower a cell's cost, never raise it: such steps took
+        17-78 ms where quiet ones took 6-10, and one width-2 step of 39 ms priced width 2 out for the rest of a
+        run (docs/benchmarks.md, thirty-second session)."""
         probing, self.probing = self.probing, False
         busy, self.busy = self.busy, False
         lo, hi, w = self._bracket(rows)
