@@ -470,8 +470,8 @@ class BatchCost:
     def observe(self, rows: int, width: int, seconds: float) -> None:
         """A step of ``rows`` rows at width ``width`` took ``seconds``: the cells around it move towards it (only
         the curve of fewer rows learns that its narrower steps cost no more). A ``busy`` step (the batch's next
-        turns were being prepared on the same cores) can lower a cell's cost, never raise it: such steps took
-        17-78 ms where quiet ones took 6-10, and one width-2 step of 39 ms priced width 2 out for the rest of a
+        turns were being prepared on the same cores) can lower a cell's cost, never raise it: such steps took up
+        to 78 ms where quiet ones took 6-11, and one width-2 step of 39 ms priced width 2 out for the rest of a
         run (docs/benchmarks.md, thirty-second session)."""
         probing, self.probing = self.probing, False
         busy, self.busy = self.busy, False
