@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+import recap_cli
 from recap_cli.batch import answer_all
 from recap_cli.compare import parse_method
 from recap_cli.models import freeze_loaded, load, locate
@@ -196,6 +197,9 @@ def main() -> None:
     ar = {row["batch"]: row["requests_per_hour"] for row in rows if row["method"] == methods[0]}
     print(f"\n{len(reqs)} requests, max {args.max_new_tokens} new tokens, {torch.get_num_threads()} threads, "
           f"{args.dtype}, {args.rounds} rounds (median; runs in brackets)")
+    # Which code was timed: an A/B of two checkouts must point each at its own (PYTHONPATH); a script's
+    # directory, not the working directory, leads sys.path, so an editable install's code is imported otherwise.
+    print(f"recap_cli from {Path(recap_cli.__file__).parent}")
     print(f"| method | batch | requests/hour | tokens/s | x batch {batches[0]} | x {methods[0]} | rows in flight "
           "| tokens/step | nodes/step | drafting | match |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -16,7 +16,8 @@ import torch
 
 from recap_cli.decoding import batched, compat
 from recap_cli.batch import answer_all
-from recap_cli.decoding.batched import PROBE_WAIT, Batch, BatchEngine, Flight, length_groups
+from recap_cli.decoding.batched import (PROBE_WAIT, TRUST_RANGE, Batch, BatchEngine, Flight, learned_trust,
+                                        length_groups)
 from recap_cli.decoding.batched_static import StaticBatchEngine
 from recap_cli.decoding.cost import BatchCost, RowShare, SizeChooser, batch_width, draining_width
 from recap_cli.drafters import Drafter, RecapDrafter
@@ -569,6 +570,22 @@ def test_a_busy_batch_puts_a_due_probe_off_for_a_while():
     assert Batch._probe(batch, cost) == 4 and batch._waited == 0
     batch.draining = True
     assert Batch._probe(batch, cost) is None
+
+
+def test_the_batch_trusts_guesses_as_far_as_rows_deliver_on_them():
+    """A width is chosen from the rows' last trees, grown for the last step's width: at a wider step the rows fill
+    nodes never guessed and deliver more than guessed. The trust follows what they deliver, above 1 too, within
+    TRUST_RANGE; a run of steps that deliver nothing brings it down to the floor, not to 0."""
+    trust = 1.0
+    for _ in range(60):
+        trust = learned_trust(trust, guessed=2.0, drafted=3)
+    assert trust == pytest.approx(1.5, abs=0.01)
+    for _ in range(60):
+        trust = learned_trust(trust, guessed=1.0, drafted=5)
+    assert trust == TRUST_RANGE[1]
+    for _ in range(200):
+        trust = learned_trust(trust, guessed=4.0, drafted=0)
+    assert trust == TRUST_RANGE[0] > 0
 
 
 def test_only_rows_cut_by_cost_rest(get_adapter):

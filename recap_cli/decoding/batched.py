@@ -454,9 +454,21 @@ class Flight:
 
 MAX_REST = 32  # steps a row whose trees keep being cut to the root goes without drafting, at most
 TRUST_RATE = 0.1  # how fast the batch learns what the rows' guesses are worth
+# What the rows' guesses can turn out to be worth, at least and at most. Above 1 where rows deliver more than their
+# last trees guessed: a row's last growth stopped where its nodes stopped paying at that step's width, so at a wider
+# step it fills nodes that were never guessed (the demo's sets and held-out scenes at batch 16: 1.26-1.36 drafted
+# tokens accepted per guessed one; docs/benchmarks.md, thirty-third session). Held at 1, the trust could only fall.
+TRUST_RANGE = (0.05, 2.0)
 YIELD_RATE = 0.1  # how fast the batch learns the tokens a drafting row emits per step
 PROBE_WAIT = 16  # busy steps a probe due waits for a quiet one, at most (``Batch._probe``)
 Outcome = tuple[Hashable, "Generation | Exception"]  # a turn that left the batch: its tag and result
+
+
+def learned_trust(trust: float, guessed: float, drafted: int) -> float:
+    """The batch's trust after a step whose width was chosen for ``guessed`` drafted tokens and that accepted
+    ``drafted``: a moving average of the two's ratio, within TRUST_RANGE."""
+    low, high = TRUST_RANGE
+    return min(high, max(low, trust + TRUST_RATE * (drafted / guessed - trust)))
 
 
 class Batch:
@@ -471,8 +483,8 @@ class Batch:
         self.on_step = on_step  # told the rows of every step (occupancy statistics)
         self.keeps = keeps  # keeps(tag): that turn's conversation goes on; its cache is offered when it leaves
         self.pause = 1  # the rest a joining turn starts from: the last one to leave had reached it
-        # Realized / guessed drafted tokens of the steps whose width the rows' last trees chose: a row's next
-        # tree is not its last, and the rows whose last trees looked best are the likeliest to fall short.
+        # Realized / guessed drafted tokens of the steps whose width the rows' last trees chose (``learned_trust``):
+        # a row's next tree is not its last, grown for another width.
         self.trust, self._guessed = 1.0, 0.0
         # Joining rows' first trees ride on the joint prefill (a drafter that drafts there, an engine that can):
         # what such a tree costs and earns.
@@ -617,7 +629,7 @@ class Batch:
             self.on_step(len(self.flights))
         if self._guessed > 0:
             drafted = sum(len(v.path) - 1 for v in verified)
-            self.trust = min(1.0, max(0.05, self.trust + TRUST_RATE * (drafted / self._guessed - self.trust)))
+            self.trust = learned_trust(self.trust, self._guessed, drafted)
         ended, failed = [], {}
         for i, (flight, tree, v) in enumerate(zip(self.flights, trees, verified)):
             try:
