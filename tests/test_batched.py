@@ -477,6 +477,26 @@ def test_row_share_widens_only_where_nodes_pay():
     assert chooser.size == 4 and wide.chosen_expected() == pytest.approx(2.2)
 
 
+def test_rows_guess_the_node_their_growth_stopped_before():
+    """A row's growth stops where one more node does not pay for widening every row's step alone; the rows
+    together may pay for it. So a row's guess for the next step carries the node it stopped before, and the
+    batch can widen past the width the rows' last trees were grown for (without it, only a probe could)."""
+    cost = flat_cost({r: [1.0, 1.5, 2.0, 3.0, 5.0] for r in (1, 2, 4, 8)})  # widths 1, 2, 4, 8, 16
+    rows = []
+    for _ in range(8):
+        share = RowShare(cost, rows=8, width=1, base=7.0, other_nodes=7)
+        assert not share.chooser().worth_growing(0.6)  # 0.6 more tokens a node for 1.5x the step and up: no
+        assert share.cut_to_root() and share.grown_chances() == [0.6]
+        rows.append(share.grown_chances())
+    assert batch_width(cost, rows) == 2  # 8 x 0.6 more tokens pay for 1.5x
+    # Growth that ran out of candidates guesses nothing past its last node.
+    wide = RowShare(cost, rows=8, width=4, base=7.0, other_nodes=7)
+    chooser = wide.chooser()
+    assert chooser.worth_growing(0.5)
+    chooser.place(0.5)
+    assert wide.grown_chances() == [0.5]
+
+
 def test_batch_width_widens_when_rows_together_pay():
     # A wider step costs 1.5x a one-token step: no single row's node (chance 0.6) pays for it, all rows' do.
     cost = flat_cost({r: [1.0, 1.5, 1.5, 1.5, 1.5] for r in (1, 2, 4, 8)})

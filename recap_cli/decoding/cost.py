@@ -570,18 +570,25 @@ class RowShare:
         return self._chooser is not None and self._chooser.stopped and self._chooser.size == 1
 
     def grown_chances(self) -> list[float]:
-        """The path chances of every node the growth placed, cut or not, in placement order: what this row
-        would emit from a tree of each size, next step's guess when the batch picks its width."""
-        return self._chooser.chances if self._chooser is not None else []
+        """The path chances of every node the growth placed, cut or not, in placement order, then that of the
+        node it stopped before (``SizeChooser.beyond``): what this row would emit from a tree of each size, next
+        step's guess when the batch picks its width. Growth stops where one more node does not pay for widening
+        every row's step alone; without that node the guess would end at this step's width, and the batch could
+        widen only at a probe (docs/benchmarks.md, thirty-fifth section)."""
+        chooser = self._chooser
+        if chooser is None:
+            return []
+        return chooser.chances if chooser.beyond is None else chooser.chances + [chooser.beyond]
 
 
 def batch_width(cost: BatchCost, chances: list[list[float]], trust: float = 1.0) -> int:
     """The width (nodes per row, root included) maximising the step's expected tokens per second when every row
     may fill its tree up to it: row r emits 1 + its first w - 1 chances (``chances[r]``, best first; from its
-    last tree, so scaled by ``trust``, what such guesses turned out to be worth). Rows size their trees one by
-    one, and each alone seldom pays for widening every row's forward pass; together they may, so the width is
-    chosen for all of them first. Each row's chances come best first, so the tokens one more node a row adds
-    never grow with the width: the search stops where even that many more, at the next width's cost, cannot win."""
+    last growth and the node it stopped before, ``RowShare.grown_chances``, so scaled by ``trust``, what such
+    guesses turned out to be worth). Rows size their trees one by one, and each alone seldom pays for widening
+    every row's forward pass; together they may, so the width is chosen for all of them first. Each row's chances
+    come best first, so the tokens one more node a row adds never grow with the width: the search stops where even
+    that many more, at the next width's cost, cannot win."""
     rows, forward, h = len(chances), cost.forward_table(len(chances)), cost.host_per_node
     best_w, best_rate = 1, rows / (forward[1] + h * rows)
     expected, nodes = float(rows), rows
@@ -756,6 +763,9 @@ class SizeChooser:
         self.after = _next_checkpoint(self.grid)  # n -> the first checkpoint above n (n < limit)
         self.chances: list[float] = []  # of the nodes placed, in order
         self.stopped = False  # growth ended because no bigger tree could pay (not for want of candidates)
+        # The path chance of the node growth stopped before (``worth_growing`` said no to it): the best unplaced
+        # one, so exactly the next node's chance in best-first order. None while growth goes on or ran out.
+        self.beyond: float | None = None
         self._threshold: float | None = None
 
     def place(self, chance: float) -> float:
@@ -785,13 +795,14 @@ class SizeChooser:
     def worth_growing(self, next_chance: float) -> bool:
         n, e = self.n, self.expected
         self.stopped = True
+        self.beyond = next_chance if n < self.limit else None  # no step is wider than the limit
         if n >= self.limit or n >= 2 * self.size + 4:
             return False
         a, rate, best, floor = n, self.rate, self.best, self.floor
         for b in self.grid[bisect.bisect_right(self.grid, n):]:
             most, seconds = e + (b - n) * next_chance, floor[a + 1]
             if (most / seconds if rate is None else most - rate * seconds) > best:  # ``_value``, inlined
-                self.stopped = False
+                self.stopped, self.beyond = False, None
                 return True
             a = b
         return False
