@@ -573,8 +573,8 @@ class RowShare:
         """The path chances of every node the growth placed, cut or not, in placement order, then that of the
         node it stopped before (``SizeChooser.beyond``): what this row would emit from a tree of each size, next
         step's guess when the batch picks its width. Growth stops where one more node does not pay for widening
-        every row's step alone; without that node the guess would end at this step's width, and the batch could
-        widen only at a probe (docs/benchmarks.md, thirty-fifth section)."""
+        every row's step alone; without that node the guess would mostly end at this step's width, and the batch
+        would widen mostly at probes (docs/benchmarks.md, thirty-fifth section)."""
         chooser = self._chooser
         if chooser is None:
             return []
