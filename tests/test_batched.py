@@ -480,7 +480,8 @@ def test_row_share_widens_only_where_nodes_pay():
 def test_rows_guess_the_node_their_growth_stopped_before():
     """A row's growth stops where one more node does not pay for widening every row's step alone; the rows
     together may pay for it. So a row's guess for the next step carries the node it stopped before, and the
-    batch can widen past the width the rows' last trees were grown for (without it, only a probe could)."""
+    batch can widen past the width the rows' last trees were grown for (without it these rows, cut to their
+    roots, would guess nothing, and only a probe would widen the batch)."""
     cost = flat_cost({r: [1.0, 1.5, 2.0, 3.0, 5.0] for r in (1, 2, 4, 8)})  # widths 1, 2, 4, 8, 16
     rows = []
     for _ in range(8):

@@ -455,7 +455,7 @@ class Flight:
 MAX_REST = 32  # steps a row whose trees keep being cut to the root goes without drafting, at most
 TRUST_RATE = 0.1  # how fast the batch learns what the rows' guesses are worth
 # What the rows' guesses can turn out to be worth, at least and at most. Above 1 where rows deliver more than their
-# last trees guessed: a row's last growth stopped one node past where its nodes stopped paying at that step's width
+# last trees guessed: a row's guess ends one node past where its last growth stopped paying at that step's width
 # (``RowShare.grown_chances``), so at a wider step it fills nodes that were never guessed (the demo's sets and
 # held-out scenes at batch 16: 1.26-1.38 drafted tokens accepted per guessed one before that node was guessed;
 # docs/benchmarks.md, thirty-third session). Held at 1, the trust could only fall.
