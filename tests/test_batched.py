@@ -583,14 +583,29 @@ def test_a_busy_batch_puts_a_due_probe_off_for_a_while():
     """A step that shares the cores with the next turns' preparation times that contention as much as its width:
     a probe due waits for a quiet step, PROBE_WAIT busy steps at most (preparation that never idles cannot put
     re-testing off for good); a quiet batch probes at once, a draining one never."""
-    cost = SimpleNamespace(probe=lambda: 4)  # a probe of width 4 is due
-    batch = SimpleNamespace(draining=False, busy=True, _waited=0)
+    cost = SimpleNamespace(probe=lambda: 4, busy=True)  # a probe of width 4 is due; the step shares the cores
+    batch = SimpleNamespace(draining=False, _waited=0)
     assert [Batch._probe(batch, cost) for _ in range(PROBE_WAIT + 1)] == [None] * PROBE_WAIT + [4]
     assert Batch._probe(batch, cost) is None  # the wait starts again after a probe
-    batch.busy = False
+    cost.busy = False
     assert Batch._probe(batch, cost) == 4 and batch._waited == 0
     batch.draining = True
     assert Batch._probe(batch, cost) is None
+
+
+def test_a_busy_batch_on_a_gpu_probes_when_due(get_adapter, monkeypatch):
+    """Preparation's threads share a CPU's cores, not a GPU: a busy batch whose forward pass runs elsewhere neither
+    times its steps as upper bounds nor puts a due probe off (``Batch._probe`` reads the step's one flag)."""
+    adapter = get_adapter("text")
+    engine = BatchEngine(adapter, max_batch=2)
+    batch = Batch(engine, Session(adapter, "recap").drafter, 2)
+    monkeypatch.setattr(engine.cost, "probe", lambda: 4)
+    batch.busy = True
+    batch._draft({})
+    assert engine.cost.busy and not engine.cost.probing  # on this CPU: the due probe is put off
+    monkeypatch.setattr(engine, "device", torch.device("meta"))  # a pass on another device (read, not run)
+    batch._draft({})
+    assert not engine.cost.busy and engine.cost.probing  # not busy there: the due probe steps now
 
 
 def test_the_batch_trusts_guesses_as_far_as_rows_deliver_on_them():

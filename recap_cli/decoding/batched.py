@@ -732,15 +732,17 @@ class Batch:
         return trees, seconds
 
     def _probe(self, cost: BatchCost) -> int | None:
-        """The width a probe due steps at now, or None. A draining batch takes none; a busy one puts it off, up to
-        PROBE_WAIT steps (work that never idles cannot put re-testing off for good). A fresh run's first steps
+        """The width a probe due steps at now, or None. A draining batch takes none; one whose step shares the
+        cores with other work (``cost.busy``: the preparation's threads, on a CPU's forward pass) puts it off, up
+        to PROBE_WAIT steps (work that never idles cannot put re-testing off for good). A fresh run's first steps
         share 2 cores with the look-ahead's images and processor runs: 14-81 ms where quiet ones took 6-10, and
         its first width-2 probe, 20-50 ms (7-10 quiet), was believed whole: nothing was drafted until the next
-        probe, ten steps on (docs/benchmarks.md, thirty-first session)."""
+        probe, ten steps on (docs/benchmarks.md, thirty-first session). A GPU's pass does not share those cores:
+        it probes when due."""
         probe = None if self.draining else cost.probe()
         if probe is None:
             return None
-        if self.busy and self._waited < PROBE_WAIT:
+        if cost.busy and self._waited < PROBE_WAIT:
             self._waited += 1
             return None
         self._waited = 0
