@@ -493,7 +493,8 @@ class Batch:
         self.opening = OpeningCost(engine.per_row)
         # Set by whoever feeds the batch. ``draining``: no turn will join before every row has ended, so the run
         # lasts as long as its slowest row (``_bounding``). ``busy``: other work shares the cores (the next turns
-        # being prepared), so a step times that contention as much as its width (``_probe``, ``_draft``).
+        # being prepared); ``_draft`` reads it once a step into ``cost.busy`` where the forward pass runs on those
+        # cores (a CPU's), and only there is a step's timing an upper bound and a due probe put off (``_probe``).
         self.draining = False
         self.busy = False
         self._waited = 0  # busy steps the probe due has waited
