@@ -184,6 +184,39 @@ def test_the_probe_schedule_backs_off_while_probes_confirm_and_climbs():
     assert buckets.rung == 16
 
 
+def smollm2_like(n: int) -> float:
+    """SmolLM2-135M on 2 CPU cores: 60 ms a one-token step, 3 ms a token more (64 tokens: 250 ms, 4 steps)."""
+    return 0.060 + 0.003 * (n - 1)
+
+
+def test_a_dear_probe_is_spaced_by_its_price():
+    """A steady run of 16-node trees on a model whose wide steps are dear: the confirmed probes (of 32 and 64
+    tokens, alternately) come their prices in one-token steps apart, so their extra time stays well under
+    one step in PROBE_MOST; spaced by steps alone, they cost 2.5 times as much of the run."""
+    shares = {}
+    for priced in (False, True):
+        cost = StepCost(SIZES, probes=True)
+        if not priced:
+            cost.probes.price = None
+        cost.set([smollm2_like(n) for n in SIZES])
+        spent = extra = 0.0
+        rungs = []
+        for _ in range(20000):
+            size = 16
+            rung = cost.probe()
+            if rung is not None:
+                cost.chooser()  # hands the probe out (``probing``)
+                rungs.append(rung)
+                extra += smollm2_like(rung) - smollm2_like(size)
+                size = rung
+            spent += smollm2_like(size)
+            cost.observe(size, smollm2_like(size))
+        assert set(rungs) == {32, 64}
+        shares[priced] = extra / spent
+    assert shares[True] < 0.4 * shares[False]
+    assert shares[True] < 0.5 / PROBE_MOST
+
+
 def test_a_row_count_borrows_the_shape_of_its_nearest_timed_neighbour():
     cost = BatchCost(max_batch=16, per_row=16)
     for width in (1, 2, 4, 8):

@@ -39,23 +39,30 @@ class Probes:
     one step is a probe: its tree may grow, as if nodes cost nothing, up to a ``rung``: one of the next two
     power-of-two sizes (or buckets) above the widest step since the last probe, alternately. What it took is
     believed at once where it is cheaper than the estimate (timing noise on a shared machine only ever adds
-    time). The interval doubles while probes confirm the estimates, up to PROBE_MOST steps (the cost of a
-    steady run: one step in 256 a little wider than it pays), and falls back to PROBE_FIRST when one corrects
-    them. The first probe comes at the second step: the run's own steps are the only timing the model starts
-    from (nothing is timed on copies of a prompt that may be an outlier).
+    time). The interval doubles while probes confirm the estimates, up to PROBE_MOST steps, and falls back to
+    PROBE_FIRST when one corrects them. The first probe comes at the second step: the run's own steps are the
+    only timing the model starts from (nothing is timed on copies of a prompt that may be an outlier).
+
+    A confirmed interval is counted in the probe's own price (``price``: what a step of the rung costs in
+    one-token steps, from the estimates the probes confirmed): a rung of 64 tokens costs SmolLM2 3-4 one-token
+    steps on a CPU (60 ms a token, 180-260 ms at 64; the demo model 2.7), so one every 256 steps cost a steady
+    run about 1% of its time; spaced by its price, a probe of any rung costs under one step in PROBE_MOST.
+    While probes correct the estimates (the interval at PROBE_FIRST) the price is not trusted and adds no wait.
     """
 
-    def __init__(self, sizes: Sequence[int], buckets: bool):
+    def __init__(self, sizes: Sequence[int], buckets: bool, price: Callable[[int], float] | None = None):
         self.rungs = tuple(s for s in sizes if s >= 2 and (buckets or s & (s - 1) == 0))
+        self.price = price
         self.interval, self.countdown = PROBE_FIRST, 1
         self.widest = 1  # the widest normal step since the last probe
         self.last = 0  # the rung of the last probe
         self.rung: int | None = None  # the size of the probe that is due, None while none is
+        self.priced = False  # the interval ran out and the wait for the rung's price was added
 
     def reset(self) -> None:
         """Every size was just timed (a warm-up): the first probe waits a whole interval."""
         self.interval = self.countdown = PROBE_FIRST
-        self.widest, self.last, self.rung = 1, 0, None
+        self.widest, self.last, self.rung, self.priced = 1, 0, None, False
 
     def step(self, tokens: int) -> None:
         """A normal (not probing) step of ``tokens`` tokens was observed."""
@@ -63,20 +70,33 @@ class Probes:
         if self.rung is None:
             self.countdown -= 1
             if self.countdown <= 0:
-                self.rung = self._next_rung()
+                self._fall_due()
 
     def done(self, corrected: bool) -> None:
         """A probe step was observed; ``corrected``: it changed an estimate (a first timing, or a much lower one)."""
         self.interval = PROBE_FIRST if corrected else min(2 * self.interval, PROBE_MOST)
-        self.countdown, self.rung, self.widest = self.interval, None, 1
+        self.countdown, self.rung, self.widest, self.priced = self.interval, None, 1, False
 
-    def _next_rung(self) -> int | None:
+    def _fall_due(self) -> None:
+        """The interval ran out: the probe is due, or first waits (price - 1) intervals more (see the class)."""
         above = [r for r in self.rungs if r > self.widest][:2]
         if not above:  # the widest size is in use: nothing above it to re-test
             self.done(False)
-            return None
-        self.last = next((r for r in above if r > self.last), above[0])
-        return self.last
+            return
+        rung = next((r for r in above if r > self.last), above[0])
+        if not self.priced and self.price is not None and self.interval > PROBE_FIRST:
+            self.priced = True
+            self.countdown = round((self.price(rung) - 1.0) * self.interval)
+            if self.countdown > 0:
+                return
+        self.last = self.rung = rung
+
+
+def probe_price(one: float, wide: float, tokens: int) -> float:
+    """A step of ``tokens`` (costing ``wide``) in steps of one token (``one``), for spacing probes: 1 where either
+    is unknown (a first timing is worth its step), at most ``tokens`` (n tokens in one pass never cost n passes:
+    a pessimistic estimate cannot put its own correction off further than that)."""
+    return 1.0 if UNKNOWN in (one, wide) or one <= 0 else min(max(wide / one, 1.0), float(tokens))
 
 
 class HostCost:
@@ -147,7 +167,7 @@ class StepCost:
         self.host_per_node = 0.0  # drafting work (propose + observe) per tree node, seconds (``HostCost``)
         self.host = HostCost()
         self.pace = Pace()  # tokens per second the run achieves: what a step's marginal node must beat
-        self.probes = Probes(self.sizes, self.buckets is not None) if probes else None
+        self.probes = Probes(self.sizes, self.buckets is not None, self._price) if probes else None
         self.probing = False  # the step being drafted is a probe (set by ``chooser``)
         self.templates: Callable[[], list[list[float]]] | None = None  # neighbours' shapes (``BatchCost``)
         self._table: list[float] | None = None  # forward(n) for n = 0..max, rebuilt lazily after updates
@@ -189,6 +209,10 @@ class StepCost:
         if self.probes is None or self.frozen or self.seconds is None:
             return None
         return self.probes.rung
+
+    def _price(self, tokens: int) -> float:
+        """A probe of ``tokens`` in one-token steps, as estimated (``probe_price``)."""
+        return probe_price(self(1), self(tokens), tokens)
 
     def set(self, seconds: Sequence[float]) -> None:
         """A timing of every grid size (a warm-up, or given costs)."""
@@ -441,7 +465,8 @@ class BatchCost:
         self.max_width = per_row
         self.host_per_node = 0.0  # as StepCost's, over every row's steps
         self.host = HostCost()
-        self.probes = Probes(buckets or widths, buckets is not None)
+        self.probes = Probes(buckets or widths, buckets is not None, self._price)
+        self.last_rows = 1  # the rows of the last step: the probe's price is read at them
         self.probing = False  # the step being drafted is a probe (set by the batch, see ``probe``)
         self.busy = False  # the step being drafted shares the cores with other work (set by the batch)
         self._stale = 0
@@ -475,6 +500,7 @@ class BatchCost:
         run (docs/benchmarks.md, thirty-second session)."""
         probing, self.probing = self.probing, False
         busy, self.busy = self.busy, False
+        self.last_rows = rows
         lo, hi, w = self._bracket(rows)
         self.by_rows[lo].probing = probing
         corrected = self.by_rows[lo].observe(width, seconds, 1.0 - w, contended=busy)
@@ -491,6 +517,11 @@ class BatchCost:
             self._stale = 0
             for curve in self.by_rows.values():
                 curve._changed()
+
+    def _price(self, width: int) -> float:
+        """A probe's price at the last step's rows: its width's step in one-node steps (``StepCost._price``)."""
+        table = self.forward_table(self.last_rows)
+        return probe_price(table[1], table[min(width, self.max_width)], width)
 
     def observe_host(self, nodes: int, seconds: float) -> None:
         """Drafting time of one row's step (propose + observe) for a tree of ``nodes`` nodes."""
