@@ -192,7 +192,7 @@ def smollm2_like(n: int) -> float:
 def test_a_dear_probe_is_spaced_by_its_price():
     """A steady run of 16-node trees on a model whose wide steps are dear: the confirmed probes (of 32 and 64
     tokens, alternately) come their prices in one-token steps apart, so their extra time stays well under
-    one step in PROBE_MOST; spaced by steps alone, they cost 2.5 times as much of the run."""
+    one step in PROBE_MOST; spaced by steps alone, they cost nearly three times as much of the run."""
     shares = {}
     for priced in (False, True):
         cost = StepCost(SIZES, probes=True)
