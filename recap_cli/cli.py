@@ -259,8 +259,8 @@ def run(
                 capped, warned = False, set()
                 for req in records.read(source, base):
                     _warn_unknown(req.line, req.unknown, warned)
-                    if (key := records.answer_key(req)) in earlier.done:
-                        if key in earlier.failed:
+                    if (skipped := earlier.skips(records.answer_key(req))) is not None:
+                        if skipped == records.FAILED:
                             failed_before.append(req.line)
                         progress.advance(task)
                         continue

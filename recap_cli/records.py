@@ -322,6 +322,13 @@ class Earlier:
     retry: set[Key] = field(default_factory=set)  # lines with only errors a rerun may fix: answered again
     unnumbered: int = 0  # records without a line number (from an older recap): their lines are answered again
 
+    def skips(self, key: Key) -> int | None:
+        """Why --resume skips the line ``key``: ANSWERED (an answer, never redone) or FAILED (only errors a rerun
+        would repeat, which the run's end names); None where the line is answered (again)."""
+        if key not in self.done:
+            return None
+        return FAILED if key in self.failed else ANSWERED
+
     def retry_every_error(self) -> None:
         """Lines with errors for good are answered again too (``--retry-errors``): a rerun would repeat them only
         until someone fixes the image or the record, which recap cannot see."""

@@ -173,10 +173,10 @@ def pending(lines: list[tuple[int, bytes]], earlier: records.Earlier,
     run's end to say."""
     todo, failed = [], []
     for n, raw in lines:
-        key = records.answer_key(records.parse_line(raw, n, base))
-        if key not in earlier.done:
+        skipped = earlier.skips(records.answer_key(records.parse_line(raw, n, base)))
+        if skipped is None:
             todo.append((n, raw))
-        elif key in earlier.failed:
+        elif skipped == records.FAILED:
             failed.append(n)
     return todo, failed
 

@@ -81,6 +81,13 @@ def test_a_line_is_answered_again_only_where_every_record_of_it_is_an_error_a_re
     assert sorted(line for line, _ in earlier.done) == [1, 3, 4, 5, 6]
     assert sorted(line for line, _ in earlier.failed) == [3, 4, 5]
     assert sorted(line for line, _ in earlier.retry) == [2]
+    # What --resume (local and --ray alike) does with each line: answer it, or skip it as answered or as failed.
+    from recap_cli.records import ANSWERED, FAILED
+
+    said = {line: earlier.skips((line, orjson.dumps(line))) for line in range(1, 8)}
+    assert said == {1: ANSWERED, 2: None, 3: FAILED, 4: FAILED, 5: FAILED, 6: ANSWERED, 7: None}
+    earlier.retry_every_error()
+    assert [line for line in range(1, 8) if earlier.skips((line, orjson.dumps(line))) is not None] == [1, 6]
 
 
 # --- the final memory save: whatever signal arrives, it finishes, the summary is written, no temp file stays --
