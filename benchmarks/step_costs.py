@@ -27,8 +27,11 @@ MODES = {"MKL default": "", RECAP_MODE: "AUTO"}  # an empty value leaves MKL in 
 PROMPT = "the cat sat on the mat and looked at the dog "
 
 
-def measure(model: str, sizes: list[int], lengths: list[int], reps: int) -> dict:
-    """Median seconds of a chain-tree step per size (after a prompt of ~75 tokens) and of a prefill per length."""
+def measure(model: str, sizes: list[int], lengths: list[int], reps: int, prefix_words: int = 60) -> dict:
+    """Median seconds of a chain-tree step per size (after a prompt of ``prefix_words`` words: 60 are ~75 tokens)
+    and of a prefill per length. The sizes take turns, one step each, in an order that rotates by a size each
+    rep: timed one size after another, every step of a size fell in one stretch of a machine that drifts
+    (another process, a clock) and the sizes' ratios carried the drift."""
     sys.path.insert(0, str(ROOT))
     from recap_cli.decoding.engine import Engine
     from recap_cli.decoding.tree import Tree
@@ -46,9 +49,16 @@ def measure(model: str, sizes: list[int], lengths: list[int], reps: int) -> dict
             seconds.append(time.perf_counter() - t0)
         return statistics.median(seconds)
 
-    prompt = adapter.build([{"role": "user", "content": PROMPT * 6}], [])
-    engine.prefill(prompt, reserve=max(sizes) * (reps + 1))
-    steps = {n: timed(lambda: engine.verify(Tree([5] * n, [-1] + list(range(n - 1))))) for n in sizes}
+    prompt = adapter.build([{"role": "user", "content": PROMPT * max(1, prefix_words // 10)}], [])
+    engine.prefill(prompt, reserve=sum(sizes) * reps + 1)  # room for every step's tokens, were all accepted
+    seconds: dict[int, list[float]] = {n: [] for n in sizes}
+    for rep in range(reps):
+        for n in sizes[rep % len(sizes):] + sizes[:rep % len(sizes)]:
+            tree = Tree([5] * n, [-1] + list(range(n - 1)))
+            t0 = time.perf_counter()
+            engine.verify(tree)
+            seconds[n].append(time.perf_counter() - t0)
+    steps = {n: statistics.median(s) for n, s in seconds.items()}
     prefills = {}
     for words in lengths:
         long = adapter.build([{"role": "user", "content": PROMPT * max(1, words // 10)}], [])
@@ -62,6 +72,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,2,3,4,6,8,12,16,32,64")
     ap.add_argument("--prefill-words", default="40,400,1500", help="prompt lengths to prefill, in words")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--prefix-words", type=int, default=60, help="the prompt the steps follow, in words")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None)
@@ -69,10 +80,11 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     lengths = [int(s) for s in args.prefill_words.split(",")]
     if args.inner:
-        print(orjson.dumps(measure(args.model, sizes, lengths, args.reps), option=orjson.OPT_NON_STR_KEYS).decode())
+        print(orjson.dumps(measure(args.model, sizes, lengths, args.reps, args.prefix_words),
+                           option=orjson.OPT_NON_STR_KEYS).decode())
         return
     argv = [sys.executable, __file__, "--inner", "--model", args.model, "--sizes", args.sizes,
-            "--prefill-words", args.prefill_words, "--reps", str(args.reps)]
+            "--prefill-words", args.prefill_words, "--reps", str(args.reps), "--prefix-words", str(args.prefix_words)]
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for _ in range(args.rounds):
         for mode, value in MODES.items():
