@@ -224,6 +224,36 @@ def test_tree_never_drafts_the_image_token():
     assert IMAGE not in tree.tokens[1:] and 4 in tree.tokens
 
 
+def test_siblings_share_at_most_one_and_a_sure_own_continuation_keeps_its_chance():
+    """A node's children are exclusive (the model has one argmax there): where the stream's and the rows' guesses
+    add up to more than 1 they are scaled to add up to 1, unless the best is a continuation of this request's own
+    text at ``SURE`` or more: it keeps its chance and each next gets at most what the better ones left (scaled
+    alike, a copied passage's next token, 0.94-0.99 alone, fell to 0.6-0.8 wherever the rows guessed two others).
+    The same continuation from another request's text is scaled alike."""
+
+    def root_chances(earlier: list[int], prompt: list[int], row: dict[int, float]) -> dict[int, float]:
+        d = drafter(calibrate=False, orders=(1,))  # raw guesses: a continuation's share, a row's probability
+        if earlier:  # another request's text in the stream memory
+            d.start(earlier, None)
+            d.propose(earlier, room=10)
+        d.start(prompt, None)
+        _seed(d, (0, 0, 12), 1, row)
+        d.propose(prompt + [12], room=10)
+        return {token: chance for chance, token, *_ in d._nodes[0][4]}  # the root's candidates
+
+    copied = [10, 11, 12, 13, 5, 10, 11, 12, 13, 6, 10, 11]  # 13 followed "10 11 12" every time, in this text
+    assert root_chances([], copied, {40: 0.6, 41: 0.4}) == pytest.approx({13: 1.0, 40: 0.0, 41: 0.0}, abs=1e-4)
+    # The same text another request's: scaled alike, 1 + 0.6 + 0.4 to 1.
+    assert root_chances(copied, [7, 10, 11], {40: 0.6, 41: 0.4}) == pytest.approx(
+        {13: 0.5, 40: 0.3, 41: 0.2}, abs=1e-4)
+    # This request's own, 13 in 2 of 3 occurrences and 14 in 1 (not sure): scaled alike, as is a row's best.
+    branched = [10, 11, 12, 13, 5, 10, 11, 12, 13, 6, 10, 11, 12, 14, 7, 10, 11]
+    assert root_chances([], branched, {40: 0.6, 41: 0.4}) == pytest.approx(
+        {13: 1 / 3, 40: 0.3, 41: 0.2, 14: 1 / 6}, abs=1e-4)
+    assert root_chances([], branched, {40: 0.95, 41: 0.05}) == pytest.approx(
+        {40: 0.475, 13: 1 / 3, 14: 1 / 6, 41: 0.025}, abs=1e-4)
+
+
 def test_suffix_continuation_is_merged_as_a_path():
     d = drafter(budget=4, suffix=True)  # no memories: the continuation is the only candidate
     context = [1, 2, 3, 4, 5, 6, 1, 2, 3]
