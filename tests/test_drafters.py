@@ -243,7 +243,7 @@ def test_siblings_share_at_most_one_and_a_sure_own_continuation_keeps_its_chance
 
     copied = [10, 11, 12, 13, 5, 10, 11, 12, 13, 6, 10, 11]  # 13 followed "10 11 12" every time, in this text
     assert root_chances([], copied, {40: 0.6, 41: 0.4}) == pytest.approx({13: 1.0, 40: 0.0, 41: 0.0}, abs=1e-4)
-    # The same text another request's: scaled alike, 1 + 0.6 + 0.4 to 1.
+    # The same text, another request's: scaled alike, 1 + 0.6 + 0.4 to 1.
     assert root_chances(copied, [7, 10, 11], {40: 0.6, 41: 0.4}) == pytest.approx(
         {13: 0.5, 40: 0.3, 41: 0.2}, abs=1e-4)
     # This request's own, 13 in 2 of 3 occurrences and 14 in 1 (not sure): scaled alike, as is a row's best.

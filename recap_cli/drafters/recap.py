@@ -536,7 +536,7 @@ class RecapDrafter(Drafter):
         if not deep and self._skip is not None:
             self._skipped(streamed)
         # Each candidate is mapped as placed nodes of its lane turned out (a + b * c in the chance's tenth, 0 <= c
-        # <= 1) as it comes; where the chances add up to more than 1 they are scaled down and mapped again.
+        # <= 1) as it comes; where the chances add up to more than 1 they are shared out (``SURE``) and mapped again.
         stream_lane, row_lane = self._lanes
         out: list[Candidate] = []
         total = 0.0
