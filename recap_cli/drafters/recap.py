@@ -92,7 +92,7 @@ OWN, SKIP = BUCKETS, 2 * BUCKETS  # a stream cell's kind, as its offset in match
 # mean of per-input speedups on the proxy (calibration.py --inner --costs fixed; SmolLM2 / second set / demo /
 # held-out): 57.402, 2.428 / 58.344, 1.627 / 3.173, 2.006 / 3.048, 2.043, against 56.782, 2.350 / 57.328, 1.668 /
 # 3.109, 2.062 / 3.030, 2.088 this way (why, a guess: own cells at branches get few tests and stay untaught).
-SKIPPED = SKIP * 15 * 2  # stream cells from here on are skips
+OWNED, SKIPPED = OWN * 15 * 2, SKIP * 15 * 2  # stream cells from OWNED are this request's own text, from SKIPPED skips
 # A skip needs the text before the new token to match this much: a frame (the prompt's end and an answer's first
 # words, a repeated sentence) whose slot earlier text filled otherwise. After a short match a new token is just
 # text going its own way (calibration.py --costs fixed, tokens a step with no minimum / 4 / 8: SmolLM2 1.646 /
@@ -583,9 +583,10 @@ class RecapDrafter(Drafter):
                 la, lb = stream_lane[int(c * 10)]
                 out.append((c, t, cell, -1, la + lb * c))
         if total > 1.0:  # exclusive siblings
-            out.sort(reverse=True)
-            best, _, best_cell, _, _ = out[0]
-            sure = best >= SURE and OWN * 30 <= best_cell < SKIPPED  # a stream cell of this request's own text
+            best, _, best_cell, _, _ = max(out)
+            sure = best >= SURE and OWNED <= best_cell < SKIPPED
+            if sure:  # what is left is handed out best first
+                out.sort(reverse=True)
             scaled, left = [], 1.0
             for x, t, s_cell, r_cell, _ in out:
                 if sure:
