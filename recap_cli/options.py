@@ -83,7 +83,7 @@ KNOBS: dict[str, tuple[Callable[[str], Any], Callable[[Any], bool], str]] = {
     "top_k": (int, lambda v: v >= 1, "an integer >= 1"),
     "stream_depth": (int, lambda v: 1 <= v <= 63, "an integer from 1 to 63"),  # the suffix tree's SPAN - 1
     **{key: (_on_off, lambda v: True, "on or off")
-       for key in ("suffix", "calibrate", "paced", "early", "prompt_rows", "skip")},
+       for key in ("suffix", "calibrate", "paced", "early", "prompt_rows", "skip", "guesses")},
     "trust_decay": (float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "orders": (lambda v: tuple(int(c) for c in v.replace(",", "")), lambda v: bool(v) and set(v) <= {1, 2, 3},
                "a subset of 1, 2, 3 (e.g. 12 or 1,2)"),

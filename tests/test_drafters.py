@@ -577,5 +577,33 @@ def test_a_slot_filled_anew_drafts_what_followed_the_slot_before():
     skipped = tree_after_new_slot(frame)
     assert skipped.tokens[1:3] == [12, 13] and skipped.parents[1:3] == [0, 1]
     assert skipped.sources[1] in (Source.STREAM, Source.SUFFIX)
-    assert 12 not in tree_after_new_slot(frame, skip=False).tokens
-    assert 12 not in tree_after_new_slot(frame[1:]).tokens
+    # (12 is among the stream's most frequent tokens, guessed where nothing else is drafted: ``guesses``)
+    assert 12 not in tree_after_new_slot(frame, skip=False, guesses=False).tokens
+    assert 12 not in tree_after_new_slot(frame[1:], guesses=False).tokens
+
+
+def test_a_root_new_to_the_stream_guesses_the_streams_most_frequent_tokens():
+    """Nothing continues a token the stream never saw before (no match, no row): the root drafts the stream's
+    four most frequent tokens at their shares, each drafting on as a match of itself; the guesses are graded in no
+    class (the learned chances stay as they were) but count in the request's trust; none at an opening or with
+    ``guesses=False``."""
+    context = [5, 6, 5, 7, 5, 6, 42]  # written as the step starts: 5 three times in 7 tokens, 6 twice, 7 and 42
+    d = drafter()
+    d.start(context[:-1], None)
+    tree = d.propose(context, room=10)
+    guesses = [i for i in range(1, len(tree)) if tree.parents[i] == 0]
+    assert [tree.tokens[i] for i in guesses] == [5, 6, 7, 42]
+    assert [d.chances[i] for i in guesses] == pytest.approx([3 / 7, 2 / 7, 1 / 7, 1 / 7])
+    assert {tree.sources[i] for i in guesses} == {Source.STREAM}
+    assert tree.tokens[2] == 6 and tree.parents[2] == 1  # on from 5 as the stream went on from it (5 6, twice)
+    learned = {k: v for k, v in d.state().items() if k in ("stream_chances", "row_chances", "placed")}
+    promised = sum(d.chances) - 1.0
+    d.observe(tree, Verified(path=[0], bonus=0, argmax=[6] * len(tree), rows=rows_of(*[{}] * len(tree))))
+    assert all(torch.equal(learned[k][part], d.state()[k][part]) for k in learned for part in learned[k])
+    assert d.trust.expected == pytest.approx(promised) and d.trust.emitted == 0.0
+    off = drafter(guesses=False)
+    off.start(context[:-1], None)
+    assert len(off.propose(context, room=10)) == 1
+    opening = drafter(early=True)
+    opening.start(context, None)
+    assert len(opening.propose(context, room=10)) == 1

@@ -172,6 +172,27 @@ def test_stream_memory_splits_at_images_evicts_the_oldest_and_rebuilds_the_same_
         copy.check_state({**saved, "lengths": saved["lengths"][:1]}, vocab_size=100)
 
 
+def test_the_streams_most_frequent_tokens_are_kept_exact_through_writes_and_evictions():
+    """Kept as text is written, recounted after an eviction or a withdrawn request, rebuilt on load: always the
+    four most frequent tokens of the text the stream holds, ties by token."""
+    rng = random.Random(0)
+    memory = StreamMemory(banned=[99], depth=4, max_requests=3)
+
+    def expected() -> list[tuple[int, int]]:
+        counts = Counter(t for seq in memory.tree.seqs.values() for t in seq)
+        return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:4]
+
+    for n in range(12):
+        segs = memory.begin()
+        memory.write(segs, [rng.choice([1, 2, 3, 4, 5, 6, 7, 99]) for _ in range(rng.randint(1, 30))])
+        if n == 7:
+            memory.withdraw(segs)
+        assert memory.frequent() == expected() and len(expected()) == 4
+    copy = StreamMemory(banned=[99], depth=4, max_requests=3)
+    copy.load_state(memory.state())
+    assert copy.frequent() == memory.frequent()
+
+
 def test_a_prompt_writes_only_what_the_previous_prompt_did_not():
     """Prompts in a stream share their start (template, image, earlier turns): the shared part is written once,
     except its last ``depth`` tokens after the last image, so every suffix of the new text still matches, and the

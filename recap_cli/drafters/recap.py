@@ -64,6 +64,7 @@ from .base import Drafter
 from .calibration import MATCHES, CellChances, PlacedCalibration, match_bucket
 from .memory import KeyedMemory, Row, TokenTable, check_table
 from .stream import Cursor, StreamMemory
+from .suffix_tree import ROOT
 
 FIXED_WEIGHTS = (0.70, 0.20, 0.10)
 # Rank weights for confidence mixing: chosen on SmolLM2-135M over the text prompts of sample_inputs/bench among
@@ -115,6 +116,8 @@ ROW_CELLS = [((o * 4 + r) * 2 + other) for o in range(3) for r in range(4) for p
              for other in range(2)]
 ROW_ORDER_CELLS = len(ROW_CELLS) // 3  # cells per order: a row cell's order is cell // ROW_ORDER_CELLS + 1
 STREAM_LANE, ROW_LANE = 0, 1
+# A guess (``_guesses``): its row cell, and its lane, which no calibration reads or records.
+GUESS, GUESS_LANE = -2, -1
 # The placed-node calibration's own lane for an opening's nodes (the tree drafted before its prompt runs),
 # whichever memory proposed them: how earlier answers began continues differently from a passage inside one.
 OPENING_LANE = 2
@@ -162,7 +165,7 @@ class RecapDrafter(Drafter):
                  mixing: str = "confidence", weights: tuple[float, ...] = CONFIDENCE_WEIGHTS, suffix: bool = True,
                  stream_depth: int = 32, stream_requests: int = 1000, budget: int | str = "auto", depth: int = DEPTH,
                  width: int = 2, top_k: int = 8, cap: int = 1 << 16, calibrate: bool = True, paced: bool = True,
-                 early: bool = True, prompt_rows: bool = False, skip: bool = True,
+                 early: bool = True, prompt_rows: bool = False, skip: bool = True, guesses: bool = True,
                  trust_decay: float = TRUST_DECAY):
         if mixing not in ("confidence", "fixed"):
             raise ValueError("mixing is 'confidence' or 'fixed'")
@@ -182,6 +185,7 @@ class RecapDrafter(Drafter):
         self.stops = frozenset(stops)  # a drafted stop token is a leaf: the generation ends there
         self.cap, self.paced, self.calibrate = cap, paced, calibrate
         self.skips = skip  # skip candidates at a step's root (``_skipped``)
+        self.guesses = guesses  # the stream's most frequent tokens at a root with nothing else (``_guesses``)
         self.drafts_at_prefill = early  # the first tree rides on the prompt's forward pass (where the engine can)
         # ``prompt_rows``: the prefill's predictions at every prompt text position seed the rows too. Off by
         # default: they cost the output layer at every such position (on a CPU with text-heavy prompts, most of
@@ -342,7 +346,7 @@ class RecapDrafter(Drafter):
             accepted, parents, placed = set(path), tree.parents, self.placed
             for i in range(1, len(tree)):
                 lane = nodes[i][5]
-                if lane is not None and parents[i] in accepted:  # a fair test of the node's own chance
+                if lane is not None and lane[0] >= 0 and parents[i] in accepted:  # a fair test of its chance
                     placed.record(OPENING_LANE if self._opening else lane[0], lane[1], i in accepted)
 
     def _grade(self, nodes: list[list], path: list[int], argmax: list[int]) -> None:
@@ -354,7 +358,7 @@ class RecapDrafter(Drafter):
             for _, token, s_cell, r_cell, _ in nodes[i][4]:
                 if s_cell >= 0:
                     stream.record(s_cell, token == best)
-                else:
+                elif r_cell >= 0:  # not a guess
                     rows.record(r_cell, token == best)
 
     def _node_keys(self, tree: Tree) -> list[tuple[int, ...]]:
@@ -600,6 +604,18 @@ class RecapDrafter(Drafter):
         out.sort(reverse=True)
         return out
 
+    def _guesses(self) -> list[Candidate]:
+        """A root with nothing to continue (its token new to the stream, no row for it): the stream's most
+        frequent tokens, each at its share of the stream's text as its chance, drafting on as a match of itself.
+        Over SmolLM2's text sets the four most frequent came next there about as often as their shares say
+        (0.14-0.19 against 0.15-0.18; docs/benchmarks.md, forty-fifth session), so those chances are drafted as
+        they are, in no evidence class and no placed lane: learning them would shift when every stream class's
+        coefficients are rebuilt (``CellChances``), and that moved the proxy by itself."""
+        total = self.stream.tree.count[ROOT]
+        if not total:
+            return []
+        return [(c / total, t, -1, GUESS, c / total) for t, c in self.stream.frequent() if t not in self.banned]
+
     def _placed_lanes(self) -> tuple[list, list]:
         """The placed-node maps (a, b) by tenth of a chance, for a stream candidate and a row candidate (an
         opening's both in its own lane), each with its top tenth repeated so that a chance of exactly 1 reads it
@@ -644,6 +660,8 @@ class RecapDrafter(Drafter):
         self._memories = (self.keyed[3].rows if use3 else None, self.keyed[2].rows if use2 else None,
                           self.order1.rows if use1 else None)
         first = self._candidates(tail, spos, m, 0) if max_depth > 0 else []
+        if not first and self.guesses and not self._opening and max_depth > 0:
+            first = self._guesses()
         # Per node: [key, stream position, match length, depth, candidates, (lane, lane chance) if placed, its row
         # cell (-1: not from the rows), whether its path outran the stream memory's depth (``_reanchor``)]
         nodes: list[list] = [[tail, spos, m, 0, first, None, -1, False]]
@@ -669,7 +687,7 @@ class RecapDrafter(Drafter):
             node = nodes[parent]
             cands = node[4]
             chance, token, s_cell, r_cell, _ = cands[rank]
-            lane = STREAM_LANE if s_cell >= 0 else ROW_LANE
+            lane = STREAM_LANE if s_cell >= 0 else ROW_LANE if r_cell >= 0 else GUESS_LANE
             if rank + 1 < len(cands):
                 push(frontier, (-chances[parent] * cands[rank + 1][4], parent, rank + 1))
             i = len(tokens)
@@ -680,6 +698,8 @@ class RecapDrafter(Drafter):
             spos = node[1]
             if s_cell >= SKIPPED:  # a skip (at the root): on along the stream path it came from
                 child, cm = self._skip_at[token]
+            elif r_cell == GUESS:  # on as a match of itself
+                child, cm = tree_s.step(ROOT, token), 1
             else:
                 child = tree_s.step(spos, token) if spos is not None else None
                 cm = node[2] + 1 if child is not None else 0
@@ -747,6 +767,8 @@ class RecapDrafter(Drafter):
             if node[5][0] == STREAM_LANE:
                 pos = node[1]
                 out.append(suffix if pos is not None and source(pos) in here else stream)
+            elif node[5][0] == GUESS_LANE:  # the stream's counts
+                out.append(stream)
             else:
                 out.append(ORDER_SOURCE[node[6] // ROW_ORDER_CELLS + 1])
         return out

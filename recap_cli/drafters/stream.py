@@ -18,11 +18,12 @@ from collections.abc import Iterable
 
 import torch
 
-from .suffix_tree import SuffixTree
+from .suffix_tree import ROOT, SuffixTree
 
 OPEN = -1  # a request's segment list ends with OPEN while no segment is being written (after an image)
 GONE = -2  # an evicted request's segment list: it writes no more (not even a new segment after an image)
 CONTINUABLE = 64  # ended requests whose text a new prompt may go on from (a conversation's next turn)
+FREQUENT = 4  # the stream's most frequent tokens kept (``StreamMemory.frequent``)
 
 
 class Cursor:
@@ -53,6 +54,33 @@ class StreamMemory:
         self.requests: deque[list[int]] = deque()  # each request's segment ids, oldest request first
         self.last_prompt: list[int] = []
         self.ended: deque[Ended] = deque()  # the latest ended requests, oldest first: a next turn continues one
+        self._top: list[tuple[int, int]] = []  # (-occurrences, token) of the most frequent tokens, most first
+
+    def frequent(self) -> list[tuple[int, int]]:
+        """The stream's FREQUENT most frequent tokens as (token, occurrences), most first, ties by token (as the
+        tree's root ranks its children, from which it is recounted after an eviction). Kept as text is written:
+        between evictions counts only grow, so a token enters the list only when its own count does."""
+        return [(t, -c) for c, t in self._top]
+
+    def _counted(self, token: int) -> None:
+        """``token`` was written once more: its place among the most frequent."""
+        tree = self.tree
+        at = tree.kids[ROOT][token]
+        entry = (-(tree.count[at] if at >= 0 else 1), token)
+        top = self._top
+        for i, (_, t) in enumerate(top):
+            if t == token:
+                top[i] = entry
+                top.sort()
+                return
+        if len(top) < FREQUENT or entry < top[-1]:
+            top.append(entry)
+            top.sort()
+            del top[FREQUENT:]
+
+    def _recount(self) -> None:
+        toks, negc = self.tree.ranked(ROOT, FREQUENT)
+        self._top = list(zip(negc, toks))[:FREQUENT]
 
     def unseen(self, prompt: list[int]) -> int:
         """Where a new prompt's text must start being written: prompts in a stream share their start (the chat
@@ -124,6 +152,7 @@ class StreamMemory:
         for sid in segs:
             if sid >= 0 and sid in self.tree.seqs:
                 self.tree.remove(sid)
+        self._recount()
 
     def write(self, segs: list[int], tokens: Iterable[int]) -> None:
         """Append a request's next tokens (an image placeholder ends its segment)."""
@@ -143,6 +172,7 @@ class StreamMemory:
             if sid not in tree.active:  # its sequence was taken out of the tree (``withdraw``)
                 return
             tree.append(sid, t)
+            self._counted(t)
 
     def withdraw(self, segs: list[int], resumed: Ended | None = None) -> None:
         """A request that never ran: its text leaves the counts and the request leaves the stream. The next prompt
