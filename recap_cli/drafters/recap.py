@@ -19,7 +19,9 @@ Two kinds of memory propose a node's children:
   passage being copied, the longest match: the path has matched the memory's whole depth). Where the model has just
   filled a slot as no earlier text did ("Bar C" where earlier answers said "Bar A", "Bar D"), the context's own
   match is that new token alone; what followed the slot's earlier fillings ("is the shortest") is drafted at the
-  step's root as *skip* candidates, in a class of their own (``skip=False`` turns them off).
+  step's root as *skip* candidates, in a class of their own (``skip=False`` turns them off). A root whose token
+  the stream never saw (no match of any length, no row) drafts the stream's most frequent tokens at their shares of
+  its text, each on as a match of itself (``_guesses``; ``guesses=False`` turns them off).
 
 A candidate's chance of acceptance is learned from the verifier's verdicts (every candidate of an accepted node
 was put to the test: the one equal to the model's argmax there would have been accepted) per evidence class:
