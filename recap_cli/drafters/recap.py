@@ -665,7 +665,8 @@ class RecapDrafter(Drafter):
         if not first and self.guesses and not self._opening and max_depth > 0:
             first = self._guesses()
         # Per node: [key, stream position, match length, depth, candidates, (lane, lane chance) if placed, its row
-        # cell (-1: not from the rows), whether its path outran the stream memory's depth (``_reanchor``)]
+        # cell (-1: not from the rows; GUESS: a guess), whether its path outran the stream memory's depth
+        # (``_reanchor``)]
         nodes: list[list] = [[tail, spos, m, 0, first, None, -1, False]]
         tokens, parents, chances = [context[-1]], [-1], [1.0]
         tree_s = self.stream.tree
