@@ -65,8 +65,7 @@ class StreamMemory:
     def _counted(self, token: int) -> None:
         """``token`` was written once more: its place among the most frequent."""
         tree = self.tree
-        at = tree.kids[ROOT][token]
-        entry = (-(tree.count[at] if at >= 0 else 1), token)
+        entry = (-tree.occurrences(tree.step(ROOT, token)), token)
         top = self._top
         for i, (_, t) in enumerate(top):
             if t == token:
