@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from recap_cli.decoding import compat
+from recap_cli.decoding.batched import padded_ancestors
 from recap_cli.drafters import Drafter
 from recap_cli.decoding.engine import Engine, accept, ancestors, generate
 from recap_cli.decoding.tree import Tree
@@ -183,21 +184,43 @@ def test_a_tree_without_a_token_drops_its_nodes_and_those_under_them():
     assert Tree.root(7).without(7).tokens == [7]  # the root is committed text, never dropped
 
 
+def walked_ancestors(parents: list[int], width: int) -> torch.Tensor:
+    """What each node sees, by walking up its parents: itself and its ancestors; rows past the tree see themselves."""
+    want = torch.eye(width, dtype=torch.bool)
+    for i in range(len(parents)):
+        j = parents[i]
+        while j >= 0:
+            want[i, j] = True
+            j = parents[j]
+    return want
+
+
+def random_parents(rng: random.Random, n: int) -> list[int]:
+    """A random tree of ``n`` nodes, a few of them static padding (parent -1)."""
+    return [-1] + [-1 if rng.random() < 0.05 else rng.randrange(i) for i in range(1, n)]
+
+
 def test_ancestors_open_each_node_to_itself_and_its_ancestors_only():
     """The mask's tree block (engine.ancestors, bitmasks unpacked) against a walk up each node's parents, on random
     trees of 1-130 nodes (past one 64-bit word), with static padding (parent -1) inside and padding rows after."""
     rng = random.Random(0)
     for _ in range(200):
         n = rng.randint(1, 130)
-        parents = [-1] + [-1 if rng.random() < 0.05 else rng.randrange(i) for i in range(1, n)]
+        parents = random_parents(rng, n)
         width = n + rng.randint(0, 5)
-        want = torch.eye(width, dtype=torch.bool)
-        for i in range(n):
-            j = parents[i]
-            while j >= 0:
-                want[i, j] = True
-                j = parents[j]
-        assert torch.equal(ancestors(parents, width), want), (n, width)
+        assert torch.equal(ancestors(parents, width), walked_ancestors(parents, width)), (n, width)
+
+
+def test_a_batchs_trees_are_unpacked_together_each_padded_to_the_width():
+    """batched.padded_ancestors (every row's bitmasks unpacked in one call) against the walk, tree by tree: batches
+    of 1-16 trees of 0-70 nodes (0: a free static slot, all padding), padded to the widest or wider."""
+    rng = random.Random(1)
+    for _ in range(100):
+        trees = [Tree(tokens=[0] * n, parents=random_parents(rng, n) if n else [])
+                 for n in (rng.choice((0, 1, 2, 5, 70)) for _ in range(rng.randint(1, 16)))]
+        width = max(max(len(t) for t in trees), 1) + rng.randint(0, 3)
+        want = torch.stack([walked_ancestors(t.parents, width) for t in trees])
+        assert torch.equal(padded_ancestors(trees, width), want), ([len(t) for t in trees], width)
 
 
 def test_accept_walks_the_greedy_path():

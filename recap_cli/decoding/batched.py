@@ -30,8 +30,8 @@ from ..options import DEFAULT_BATCH, default_batch  # noqa: F401 - re-exported (
 from ..prefix_cache import Hit, PrefixCache, common_prefix
 from . import compat
 from .cost import UNKNOWN, BatchCost, OpeningCost, RowShare, batch_width, draining_width
-from .engine import (Generation, accept, additive, ancestors, chain_tree_seen, commit, greedy_and_rows, join_rows,
-                     text_positions, tree_prompt)
+from .engine import (Generation, accept, additive, ancestor_bits, chain_tree_seen, commit, greedy_and_rows, join_rows,
+                     text_positions, tree_prompt, unpack_bits)
 from .sampling import Picker, choose
 from .tree import Rows, Tree, Verified
 
@@ -410,8 +410,9 @@ class BatchEngine:
 
 def padded_ancestors(trees: list[Tree], width: int) -> torch.Tensor:
     """(len(trees), width, width) booleans: each tree's ``ancestors``, padded to ``width`` nodes (a padding node
-    sees only itself)."""
-    return torch.stack([ancestors(tree.parents, width) for tree in trees])
+    sees only itself), every tree's rows unpacked together."""
+    bits = [row for tree in trees for row in ancestor_bits(tree.parents, width)]
+    return unpack_bits(bits, width).view(len(trees), width, width)
 
 
 # A joint prefill pads every prompt to the group's longest: a row pays at most PAD_FACTOR times its own length
