@@ -24,7 +24,12 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 RECAP_MODE = "MKL_CBWR=AUTO (recap)"  # the mode recap_cli runs in
 MODES = {"MKL default": "", RECAP_MODE: "AUTO"}  # an empty value leaves MKL in its default mode
-PROMPT = "the cat sat on the mat and looked at the dog "
+PROMPT = "the cat sat on the mat and looked at the dog "  # ten words
+
+
+def prompt_of(adapter, words: int):
+    """A user turn of about ``words`` words (PROMPT repeated), built as the model's chat template frames it."""
+    return adapter.build([{"role": "user", "content": PROMPT * max(1, words // 10)}], [])
 
 
 def measure(model: str, sizes: list[int], lengths: list[int], reps: int, prefix_words: int = 60) -> dict:
@@ -49,7 +54,7 @@ def measure(model: str, sizes: list[int], lengths: list[int], reps: int, prefix_
             seconds.append(time.perf_counter() - t0)
         return statistics.median(seconds)
 
-    prompt = adapter.build([{"role": "user", "content": PROMPT * max(1, prefix_words // 10)}], [])
+    prompt = prompt_of(adapter, prefix_words)
     engine.prefill(prompt, reserve=sum(sizes) * reps + 1)  # room for every step's tokens, were all accepted
     seconds: dict[int, list[float]] = {n: [] for n in sizes}
     for rep in range(reps):
@@ -61,7 +66,7 @@ def measure(model: str, sizes: list[int], lengths: list[int], reps: int, prefix_
     steps = {n: statistics.median(s) for n, s in seconds.items()}
     prefills = {}
     for words in lengths:
-        long = adapter.build([{"role": "user", "content": PROMPT * max(1, words // 10)}], [])
+        long = prompt_of(adapter, words)
         prefills[long.length] = timed(lambda: engine.prefill(long, reserve=8))
     return {"steps": steps, "prefills": prefills}
 
