@@ -86,12 +86,14 @@ def project_h200(session: Session) -> list[float]:
     return modelled
 
 
-def timed(session: Session, reqs: list, max_new_tokens: int) -> tuple[float, list, list, float]:
-    """Wall seconds, records, tokens and this process's CPU seconds of one pass over ``reqs``."""
+def timed(session: Session, reqs: list, max_new_tokens: int,
+          workers: int | None = None) -> tuple[float, list, list, float]:
+    """Wall seconds, records, tokens and this process's CPU seconds of one pass over ``reqs`` (``workers``:
+    preparation threads, as ``answer_all`` takes them; None: its default)."""
     session.reset_memory()
     session.steps = session.rows_stepped = 0
     c0, t0 = time.process_time(), time.perf_counter()
-    results = list(answer_all(session, reqs, "bench", max_new_tokens))
+    results = list(answer_all(session, reqs, "bench", max_new_tokens, workers))
     return time.perf_counter() - t0, [r for r, _ in results], [t for _, t in results], time.process_time() - c0
 
 
@@ -123,6 +125,9 @@ def main() -> None:
     ap.add_argument("--costs", choices=("measured", "h200"), default="measured")
     ap.add_argument("--prefix-cache", default="auto", type=megabytes, help="MB of prefill results kept for "
                     "reuse, as recap run's --prefix-cache ('auto', its default: a tenth of the weights; 0: none)")
+    ap.add_argument("--prepare-workers", type=int, default=None, metavar="N",
+                    help="threads preparing the next requests' inputs (0: each on the decoding thread as it joins; "
+                         "default: recap run's)")
     ap.add_argument("--fresh", action="store_true", help="new sessions every round, nothing warmed up: what a "
                     "`recap run` costs, the cost model's start-up included")
     args = ap.parse_args()
@@ -146,7 +151,8 @@ def main() -> None:
             if args.costs == "h200":
                 modelled[(method, b)] = project_h200(session)
             # Warm-up: torch's first calls at these shapes, and (unless --fresh) the cost model's learning.
-            answer_all_list = list(answer_all(session, reqs[: 2 * b], "bench", args.max_new_tokens))
+            answer_all_list = list(answer_all(session, reqs[: 2 * b], "bench", args.max_new_tokens,
+                                              args.prepare_workers))
             assert all(r["error"] is None for r, _ in answer_all_list)
             sessions[(method, b)] = session
     runs: dict[tuple[str, int], list[tuple[float, list, list, float | None]]] = {k: [] for k in sessions}
@@ -159,7 +165,7 @@ def main() -> None:
             start = len(modelled.get(key, []))
             if args.fresh:
                 sessions[key] = new_session(*key)
-            seconds, records, tokens, cpu_s = timed(sessions[key], reqs, args.max_new_tokens)
+            seconds, records, tokens, cpu_s = timed(sessions[key], reqs, args.max_new_tokens, args.prepare_workers)
             runs[key].append((seconds, records, tokens, sessions[key].occupancy))
             cpu[key].append(cpu_s)
             if key in modelled:  # decoding on the GPU: modelled steps + this machine's drafting
@@ -196,7 +202,8 @@ def main() -> None:
     base = {row["method"]: row["requests_per_hour"] for row in rows if row["batch"] == batches[0]}
     ar = {row["batch"]: row["requests_per_hour"] for row in rows if row["method"] == methods[0]}
     print(f"\n{len(reqs)} requests, max {args.max_new_tokens} new tokens, {torch.get_num_threads()} threads, "
-          f"{args.dtype}, {args.rounds} rounds (median; runs in brackets)")
+          f"{args.dtype}, {args.rounds} rounds (median; runs in brackets), preparation threads: "
+          f"{'default' if args.prepare_workers is None else args.prepare_workers}")
     # Which code was timed: an A/B of two checkouts must point each at its own (PYTHONPATH); a script's
     # directory, not the working directory, leads sys.path, so an editable install's code is imported otherwise.
     print(f"recap_cli from {Path(recap_cli.__file__).parent}")
@@ -237,7 +244,8 @@ def main() -> None:
             print(f"{row['method']} batch {row['batch']}: tokens differ from the reference on {row['differ']}")
     if args.json:
         args.json.write_text(json.dumps({"requests": len(reqs), "max_new_tokens": args.max_new_tokens,
-                                         "fresh": args.fresh, "rows": rows}, indent=2))
+                                         "fresh": args.fresh, "prepare_workers": args.prepare_workers,
+                                         "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
