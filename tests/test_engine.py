@@ -196,8 +196,8 @@ def walked_ancestors(parents: list[int], width: int) -> torch.Tensor:
 
 
 def random_parents(rng: random.Random, n: int) -> list[int]:
-    """A random tree of ``n`` nodes, a few of them static padding (parent -1)."""
-    return [-1] + [-1 if rng.random() < 0.05 else rng.randrange(i) for i in range(1, n)]
+    """A random tree of ``n`` nodes (none: a free static slot), a few of them static padding (parent -1)."""
+    return [-1 if i == 0 or rng.random() < 0.05 else rng.randrange(i) for i in range(n)]
 
 
 def test_ancestors_open_each_node_to_itself_and_its_ancestors_only():
@@ -216,7 +216,7 @@ def test_a_batchs_trees_are_unpacked_together_each_padded_to_the_width():
     of 1-16 trees of 0-70 nodes (0: a free static slot, all padding), padded to the widest or wider."""
     rng = random.Random(1)
     for _ in range(100):
-        trees = [Tree(tokens=[0] * n, parents=random_parents(rng, n) if n else [])
+        trees = [Tree(tokens=[0] * n, parents=random_parents(rng, n))
                  for n in (rng.choice((0, 1, 2, 5, 70)) for _ in range(rng.randint(1, 16)))]
         width = max(max(len(t) for t in trees), 1) + rng.randint(0, 3)
         want = torch.stack([walked_ancestors(t.parents, width) for t in trees])
